@@ -1,0 +1,87 @@
+"""Runs the engine on its own thread so the HTTP event loop never waits on a forward pass."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from waferscale.engine.engine import LLMEngine
+from waferscale.engine.outputs import GenerationEvent
+from waferscale.engine.params import SamplingParams
+
+log = logging.getLogger("waferscale.engine")
+
+
+class AsyncEngine:
+    """Thread-safe front of LLMEngine: `generate` yields a sequence's events as the engine thread makes them."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._commands: list[tuple] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="waferscale-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationEvent]:
+        """Events of one sequence until its finished event; closing the iterator early aborts the sequence."""
+        queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._submit(("add", request_id, prompt_ids, params))
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event.finished
+                yield event
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(("abort", request_id))
+
+    def _submit(self, command: tuple) -> None:
+        with self._cv:
+            self._commands.append(command)
+            self._cv.notify()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not self._commands and not engine.has_work() and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                commands, self._commands = self._commands, []
+            for command in commands:
+                if command[0] == "add":
+                    engine.add_request(*command[1:])
+                else:
+                    engine.abort(command[1])
+            if engine.has_work():
+                try:
+                    events = engine.step()
+                except Exception:  # the engine isolates per-sequence failures; this is a last resort
+                    log.exception("engine step failed")
+                    continue
+                self._dispatch(events)
+
+    def _dispatch(self, events: list[GenerationEvent]) -> None:
+        for event in events:
+            target = self._streams.get(event.request_id)
+            if target is not None:
+                loop, queue = target
+                loop.call_soon_threadsafe(queue.put_nowait, event)

@@ -1,0 +1,24 @@
+"""Sampling parameters of one sequence, already resolved against the model (no nulls, no -1 sentinels)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: off; 0: sampled token only; k: plus the k most likely
+    prompt_logprobs: bool = False  # echo with logprobs: score every prompt token
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
