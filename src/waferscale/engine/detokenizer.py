@@ -13,8 +13,11 @@ class IncrementalDetokenizer:
     Text is released to the client only once no stop string can begin inside it; a stop string is never returned.
     """
 
-    def __init__(self, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: list[str]):
+    def __init__(
+        self, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True
+    ):
         self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
         self.stop = [s for s in stop if s]
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
@@ -31,8 +34,8 @@ class IncrementalDetokenizer:
         """Append a token; return the stop string it completed, if any (the text is then cut before it)."""
         self.ids.append(token_id)
         self.offsets.append(len(self.text))
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip_special)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

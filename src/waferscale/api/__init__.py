@@ -1,0 +1,1 @@
+"""HTTP layer: schemas mirroring the Cerebras spec, request decoding, auth, SSE streaming and error shapes."""

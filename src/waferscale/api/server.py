@@ -1,0 +1,146 @@
+"""The FastAPI application: routes, auth, error handlers and an OpenAPI document that matches the spec."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import msgpack
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from waferscale import __version__
+from waferscale.api.auth import BearerAuth
+from waferscale.api.completions import CompletionRun, ServingContext, plan_request, validate_request
+from waferscale.api.decoding import MAX_BODY_BYTES, REQUEST_CONTENT_TYPES, decode_body
+from waferscale.api.errors import APIError, install_handlers
+from waferscale.api.schemas import (
+    CompletionRequest,
+    CreateCompletionResponse,
+    HTTPValidationError,
+    ModelCard,
+    ModelList,
+)
+
+log = logging.getLogger("waferscale.api")
+
+
+def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
+    """The app serving `ctx`'s model; the engine thread starts and stops with the app's lifespan."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        ctx.engine.start()
+        try:
+            yield
+        finally:
+            ctx.engine.stop()
+
+    app = FastAPI(
+        title="waferscale",
+        version=__version__,
+        description="A self-hosted server for the Cerebras Inference API.",
+        lifespan=lifespan,
+    )
+    auth = BearerAuth(api_keys)
+    install_handlers(app)
+
+    @app.get("/health", tags=["Server"])
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/tcp_warming", tags=["Server"])
+    async def tcp_warming() -> dict:
+        """The official SDK calls this when a client is constructed; it answers at once."""
+        return {"status": "ok"}
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=ctx.created)
+
+    @app.get("/v1/models", tags=["Models"], dependencies=[Depends(auth)])
+    async def list_models() -> ModelList:
+        return ModelList(data=[card(n) for n in ctx.served_names])
+
+    @app.get("/v1/models/{model_id:path}", tags=["Models"], dependencies=[Depends(auth)])
+    async def get_model(model_id: str) -> ModelCard:
+        if model_id not in ctx.served_names:
+            raise APIError(
+                404,
+                f"model {model_id!r} does not exist; this server serves: {', '.join(ctx.served_names)}",
+                code="model_not_found",
+            )
+        return card(model_id)
+
+    @app.post(
+        "/v1/completions",
+        tags=["Completions"],
+        summary="Completions",
+        operation_id="completions_v1_completions_post",
+        dependencies=[Depends(auth)],
+        response_model=CreateCompletionResponse,
+        responses={422: {"model": HTTPValidationError, "description": "Validation Error"}},
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    t: {"schema": {"$ref": "#/components/schemas/CompletionRequest"}} for t in REQUEST_CONTENT_TYPES
+                },
+            },
+            "security": [{"HTTPBearer": []}],
+        },
+    )
+    async def completions(
+        request: Request,
+        x_amz_cf_id: str | None = Header(default=None, alias="X-Amz-Cf-Id"),
+        cf_ray: str | None = Header(default=None, alias="CF-RAY"),
+        x_delay_time: float | None = Header(default=None, alias="X-delay-time"),
+    ):
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
+        obj = decode_body(body, request.headers.get("content-type"), request.headers.get("content-encoding"))
+        req = validate_request(obj)
+        plan = plan_request(req, ctx)
+        trace = cf_ray or x_amz_cf_id
+        if req.user or trace:
+            log.info("completion request user=%s trace=%s", req.user, trace)
+        run = CompletionRun(plan, ctx)
+        if req.stream:
+            return StreamingResponse(
+                run.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        result = await run.collect(request.is_disconnected)
+        if "msgpack" in request.headers.get("accept", ""):
+            return Response(msgpack.packb(result), media_type="application/msgpack")
+        return JSONResponse(result)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return app
+
+
+def build_openapi(app: FastAPI) -> dict:
+    """FastAPI's document, with the spec's CompletionRequest, validation schemas and bearer scheme."""
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    request_schema = CompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(request_schema.pop("$defs", {}))
+    schemas["CompletionRequest"] = request_schema
+    validation = HTTPValidationError.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(validation.pop("$defs", {}))
+    schemas["HTTPValidationError"] = validation
+    doc["components"]["securitySchemes"] = {
+        "BearerAuth": {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "API key for authentication, sent as `Authorization: Bearer YOUR_API_KEY`. Required only "
+            "when the server was started with --api-key or WAFERSCALE_API_KEY.",
+        }
+    }
+    doc["security"] = [{"BearerAuth": []}]
+    return doc

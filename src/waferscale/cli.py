@@ -1,0 +1,128 @@
+"""Command line: `waferscale serve` runs the server; `waferscale complete` prints one completion."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a GGUF file or a Hugging Face folder (config.json, *.safetensors, tokenizer.json); "
+        "default: the built-in SmolLM2-135M-Instruct",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default="bfloat16",
+        help="precision the weights are held and computed in (default: bfloat16; float32 matches reference numerics)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="context length in tokens: prompt plus completion (default: the model's own)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="waferscale", description="Serve the Cerebras Inference API locally.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the HTTP server", description="Run the HTTP server.")
+    _add_model_args(serve)
+    serve.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name clients may use for the model (repeatable), e.g. llama3.1-8b so Cerebras examples run "
+        "unchanged; the name derived from the model always works too",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="comma-separated keys clients must send as 'Authorization: Bearer KEY' (also read from "
+        "WAFERSCALE_API_KEY); with none, the server is open",
+    )
+    serve.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
+
+    complete = sub.add_parser("complete", help="print one completion without a server")
+    _add_model_args(complete)
+    complete.add_argument("prompt", help="the prompt text")
+    complete.add_argument("--max-tokens", type=int, default=64)
+    complete.add_argument("--temperature", type=float, default=0.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        serve(args)
+    elif args.command == "complete":
+        complete(args)
+
+
+def _load(args):
+    from waferscale.models import ModelLoadError, load_model
+
+    t0 = time.perf_counter()
+    try:
+        loaded = load_model(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    except ModelLoadError as exc:
+        print(f"waferscale: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    logging.getLogger("waferscale").info(
+        "loaded %s (%s, context %d) in %.1f s", loaded.name, args.dtype, loaded.max_model_len, time.perf_counter() - t0
+    )
+    return loaded
+
+
+def serve(args) -> None:
+    import uvicorn
+
+    from waferscale.api.auth import parse_keys
+    from waferscale.api.completions import ServingContext
+    from waferscale.api.server import create_app
+    from waferscale.engine import AsyncEngine, LLMEngine
+
+    log = logging.getLogger("waferscale")
+    keys = parse_keys(args.api_key, os.environ.get("WAFERSCALE_API_KEY"))
+    loaded = _load(args)
+    names = [loaded.name] + [n for n in args.served_model_name if n != loaded.name]
+    ctx = ServingContext(
+        engine=AsyncEngine(LLMEngine(loaded)),
+        tokenizer=loaded.tokenizer,
+        served_names=names,
+        max_model_len=loaded.max_model_len,
+        vocab_size=loaded.config.vocab_size,
+        fingerprint=loaded.fingerprint,
+        log_requests=args.log_requests,
+    )
+    app = create_app(ctx, keys)
+    if not keys:
+        log.warning("no API key set (--api-key or WAFERSCALE_API_KEY): the server is open to anyone who can reach it")
+    log.info("serving %s on http://%s:%d (models: %s)", loaded.name, args.host, args.port, ", ".join(names))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+def complete(args) -> None:
+    from waferscale.engine import LLMEngine, SamplingParams
+
+    loaded = _load(args)
+    engine = LLMEngine(loaded)
+    ids = loaded.tokenizer.encode(args.prompt)
+    engine.add_request("cli", ids, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
+    while engine.has_work():
+        for ev in engine.step():
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")

@@ -1,0 +1,131 @@
+"""Shared fixtures: real waferscale servers on loopback, started as subprocesses with the built-in model."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m-instruct"
+ALIAS = "llama3.1-8b"
+os.environ.setdefault("WAFERSCALE_CACHE_DIR", str(ROOT / ".cache" / "waferscale"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `waferscale serve` subprocess; `url` is its base URL (no /v1)."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = ROOT / ".cache" / f"server-{self.port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "waferscale", "serve", "--port", str(self.port), *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not start:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The default server: built-in model, bfloat16, also served as llama3.1-8b."""
+    s = Server("--served-model-name", ALIAS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def server_f32():
+    """float32 server for numerics checked against transformers."""
+    s = Server("--dtype", "float32")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture
+def cerebras(server):
+    from cerebras.cloud.sdk import Cerebras
+
+    client = Cerebras(api_key="unused", base_url=server.url, max_retries=0, _strict_response_validation=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def openai_client(server):
+    from openai import OpenAI
+
+    client = OpenAI(api_key="unused", base_url=server.url + "/v1", max_retries=0)
+    yield client
+    client.close()
+
+
+def complete(http: httpx.Client, **body):
+    """POST /v1/completions with the built-in model's name unless given; return the parsed JSON (asserting 200)."""
+    body.setdefault("model", MODEL)
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse_events(http: httpx.Client, **body) -> list:
+    """The `data:` payloads of a streamed completion, [DONE] included as the string."""
+    import json
+
+    body.setdefault("model", MODEL)
+    body["stream"] = True
+    out = []
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out

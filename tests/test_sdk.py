@@ -1,0 +1,79 @@
+"""The official Cerebras SDK and the OpenAI SDK against a real server: the reference page's example and streaming."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import ALIAS, MODEL
+
+PROMPT = "It was a dark and stormy night"
+
+
+def test_reference_example_parses_with_strict_validation(cerebras):
+    completion = cerebras.completions.create(prompt=PROMPT, max_tokens=100, model=ALIAS, logprobs=5)
+    assert completion.object == "text_completion"
+    assert completion.model == ALIAS
+    choice = completion.choices[0]
+    assert choice.index == 0
+    assert choice.finish_reason in ("length", "stop")
+    lp = choice.logprobs
+    n = len(lp.tokens)
+    assert n == len(lp.token_logprobs) == len(lp.text_offset) == len(lp.top_logprobs) > 0
+    assert lp.text_offset[0] == len(PROMPT) == 30
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) in (5, 6)
+        assert top[token] == logprob  # the sampled token is always listed
+    assert "".join(lp.tokens) == choice.text
+    usage = completion.usage
+    assert usage.prompt_tokens == 7
+    assert usage.completion_tokens >= n
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    t = completion.time_info
+    assert t.total_time >= t.queue_time >= 0 and t.prompt_time > 0 and t.completion_time > 0 and t.created > 0
+
+
+def test_cerebras_sdk_streams_the_same_text(cerebras):
+    full = cerebras.completions.create(prompt=PROMPT, max_tokens=24, model=MODEL, temperature=0)
+    chunks = list(cerebras.completions.create(prompt=PROMPT, max_tokens=24, model=MODEL, temperature=0, stream=True))
+    assert len(chunks) > 2
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_openai_sdk_completion_and_stream(openai_client):
+    full = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2)
+    assert full.choices[0].logprobs.text_offset[0] == 30
+    stream = openai_client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_sdk_client_construction_warms_tcp(server):
+    from cerebras.cloud.sdk import Cerebras
+
+    seen = []
+    hooks = {"response": [lambda r: seen.append((r.request.url.path, r.status_code))]}
+    with httpx.Client(event_hooks=hooks) as http_client:
+        Cerebras(api_key="x", base_url=server.url, http_client=http_client, max_retries=0)
+    assert ("/v1/tcp_warming", 200) in seen
+
+
+def test_sdk_maps_unknown_model_to_not_found(cerebras):
+    from cerebras.cloud.sdk import NotFoundError
+
+    with pytest.raises(NotFoundError) as info:
+        cerebras.completions.create(prompt="hi", model="no-such-model", max_tokens=1)
+    assert MODEL in str(info.value) and ALIAS in str(info.value)
+
+
+def test_sdk_maps_context_overflow_to_bad_request(cerebras):
+    from cerebras.cloud.sdk import BadRequestError
+
+    with pytest.raises(BadRequestError) as info:
+        cerebras.completions.create(prompt=PROMPT, model=MODEL, max_tokens=9000)
+    assert "9000" in str(info.value) and "8192" in str(info.value)
