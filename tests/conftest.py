@@ -82,6 +82,17 @@ def server_f32():
     s.stop()
 
 
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    """The reference tokenizer (transformers, from the same GGUF), for token-id prompts in tests."""
+    from transformers import AutoTokenizer
+
+    from waferscale.models import builtin_model_path
+
+    path = builtin_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 @pytest.fixture
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as client:

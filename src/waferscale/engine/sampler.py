@@ -34,7 +34,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
         return int(torch.argmax(logits))
     scaled = logits / params.temperature
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
+        sorted_logits, order = torch.sort(scaled, descending=True, stable=True)
         probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (the first token always stays)
         drop = (probs.cumsum(-1) - probs) >= params.top_p

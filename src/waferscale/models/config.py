@@ -48,6 +48,10 @@ class ModelConfig:
             )
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
+        # transformers >= 5 writes rope settings as one `rope_parameters` dict; older configs use two keys
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = cfg.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         return cls(
             architecture=model_type,
             vocab_size=cfg["vocab_size"],
@@ -59,8 +63,8 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or hidden // heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=theta,
+            rope_scaling=scaling,
             # qwen2 always carries q/k/v biases; llama/mistral only when config says so.
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -91,6 +91,8 @@ class ModelTokenizer:
         if isinstance(eos_tok, str) and tok.token_to_id(eos_tok) is not None:
             eos.append(tok.token_to_id(eos_tok))
         template = tcfg.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").is_file():  # newer transformers save it apart
+            template = (folder / "chat_template.jinja").read_text()
         if isinstance(template, list):  # named templates: keep the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         return cls(

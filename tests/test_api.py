@@ -1,0 +1,167 @@
+"""HTTP contract: response fields, streaming framing, validation, errors, models, health, auth."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import ALIAS, MODEL, Server, complete, sse_events
+
+PROMPT = "It was a dark and stormy night"
+OPTIONAL_FIELDS = [
+    "best_of", "echo", "frequency_penalty", "grammar_root", "logit_bias", "logprobs", "max_tokens", "min_tokens",
+    "n", "presence_penalty", "prompt_cache_key", "reasoning_format", "return_raw_tokens", "seed", "stop", "stream",
+    "stream_options", "suffix", "temperature", "top_p", "user",
+]
+
+
+def test_response_carries_every_field(http):
+    out = complete(http, model=ALIAS, prompt=PROMPT, max_tokens=3)
+    assert out["id"].startswith("cmpl-")
+    assert out["object"] == "text_completion"
+    assert isinstance(out["created"], int)
+    assert out["model"] == ALIAS  # the name the request used
+    assert out["system_fingerprint"].startswith("fp_")
+    assert set(out["usage"]) >= {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+    assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert set(out["time_info"]) == {"queue_time", "prompt_time", "completion_time", "total_time", "created"}
+
+
+def test_system_fingerprint_is_stable(http):
+    a = complete(http, prompt="a", max_tokens=1)["system_fingerprint"]
+    b = complete(http, prompt="b", max_tokens=1)["system_fingerprint"]
+    assert a == b
+
+
+def test_null_is_accepted_for_every_optional_field(http):
+    body = {"model": MODEL, "prompt": PROMPT, **{f: None for f in OPTIONAL_FIELDS}, "max_tokens": 2}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "loc"),
+    [
+        ("temperature", 2.5, ["body", "temperature"]),
+        ("top_p", 1.5, ["body", "top_p"]),
+        ("logprobs", 21, ["body", "logprobs"]),
+        ("n", 0, ["body", "n"]),
+        ("max_tokens", -2, ["body", "max_tokens"]),
+        ("stop", ["a", "b", "c", "d", "e"], ["body", "stop", "list[str]"]),
+        ("frequency_penalty", 3, ["body", "frequency_penalty"]),
+        ("unknown_field", 1, ["body", "unknown_field"]),
+    ],
+)
+def test_invalid_fields_get_422_with_location(http, field, value, loc):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, field: value})
+    assert r.status_code == 422
+    detail = r.json()["detail"]
+    assert any(d["loc"][: len(loc)] == loc for d in detail), detail
+    assert all(set(d) == {"loc", "msg", "type"} for d in detail)
+
+
+def test_missing_required_fields_get_422(http):
+    r = http.post("/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "model"]
+
+
+def test_unknown_model_is_404_naming_served_models(http):
+    r = http.post("/v1/completions", json={"model": "gpt-9", "prompt": PROMPT})
+    assert r.status_code == 404
+    err = r.json()
+    assert err["status_code"] == 404 and MODEL in err["error"]["message"] and ALIAS in err["error"]["message"]
+    assert set(err["error"]) == {"message", "type", "param", "code", "id"}
+
+
+def test_context_overflow_is_400_naming_the_numbers(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8190})
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert "7" in msg and "8190" in msg and "8192" in msg
+
+
+def test_out_of_vocabulary_token_id_is_400(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 49152]})
+    assert r.status_code == 400 and "49152" in r.json()["error"]["message"]
+
+
+def test_bad_requests_leave_the_server_serving(http):
+    for body in (b"{", b"[]", b'{"model": 1}'):
+        assert http.post("/v1/completions", content=body, headers={"content-type": "application/json"}).status_code < 500
+    assert complete(http, prompt=PROMPT, max_tokens=2)["choices"][0]["text"]
+
+
+def test_stream_framing_usage_and_time_info(http):
+    events = sse_events(http, prompt=PROMPT, max_tokens=5, stream_options={"include_usage": True})
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 5
+    assert "time_info" in usage_chunk
+    chunks = events[:-2]
+    assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stream_without_usage_puts_time_info_on_last_chunk(http):
+    events = sse_events(http, prompt=PROMPT, max_tokens=4)
+    assert events[-1] == "[DONE]"
+    assert "time_info" in events[-2] and "usage" not in events[-2]
+    assert all("time_info" not in e for e in events[:-2])
+
+
+def test_models_endpoints(http):
+    listed = http.get("/v1/models").json()
+    assert listed["object"] == "list"
+    assert [m["id"] for m in listed["data"]] == [MODEL, ALIAS]
+    assert http.get(f"/v1/models/{ALIAS}").json()["id"] == ALIAS
+    r = http.get("/v1/models/nope")
+    assert r.status_code == 404 and r.json()["status_code"] == 404
+
+
+def test_health_and_tcp_warming(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/v1/tcp_warming").status_code == 200
+
+
+def test_open_server_says_so_at_start(server):
+    assert "no API key set" in server.log()
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    s = Server("--api-key", "alpha,beta", env={"WAFERSCALE_API_KEY": "gamma"})
+    yield s
+    s.stop()
+
+
+def test_api_keys_are_required_when_set(keyed_server):
+    from cerebras.cloud.sdk import AuthenticationError, Cerebras
+
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    with httpx.Client(base_url=keyed_server.url) as http:
+        assert http.post("/v1/completions", json=body).status_code == 401
+        bad = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer delta"})
+        assert bad.status_code == 401 and bad.json()["status_code"] == 401
+        assert "alpha" not in bad.text
+        for key in ("alpha", "beta", "gamma"):
+            ok = http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert ok.status_code == 200
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/health").status_code == 200
+    client = Cerebras(api_key="wrong", base_url=keyed_server.url, max_retries=0)
+    with pytest.raises(AuthenticationError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    good = Cerebras(api_key="beta", base_url=keyed_server.url, max_retries=0)
+    assert good.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices
+    assert "no API key set" not in keyed_server.log()
+
+
+def test_client_disconnect_mid_stream_leaves_server_healthy(http, server):
+    with httpx.Client(base_url=server.url, timeout=60) as other:
+        with other.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 500,
+                                                           "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break
+    # the aborted sequence must not hold the engine: a new request completes promptly
+    out = complete(http, prompt=PROMPT, max_tokens=3)
+    assert out["time_info"]["queue_time"] < 1.0
