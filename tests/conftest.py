@@ -93,6 +93,20 @@ def hf_tokenizer():
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
+@pytest.fixture(scope="session")
+def hf_reference():
+    """The reference model: transformers' float32 load of the same GGUF file."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from waferscale.models import builtin_model_path
+
+    path = builtin_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
 @pytest.fixture
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as client:

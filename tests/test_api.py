@@ -8,9 +8,27 @@ from conftest import ALIAS, MODEL, Server, complete, sse_events
 
 PROMPT = "It was a dark and stormy night"
 OPTIONAL_FIELDS = [
-    "best_of", "echo", "frequency_penalty", "grammar_root", "logit_bias", "logprobs", "max_tokens", "min_tokens",
-    "n", "presence_penalty", "prompt_cache_key", "reasoning_format", "return_raw_tokens", "seed", "stop", "stream",
-    "stream_options", "suffix", "temperature", "top_p", "user",
+    "best_of",
+    "echo",
+    "frequency_penalty",
+    "grammar_root",
+    "logit_bias",
+    "logprobs",
+    "max_tokens",
+    "min_tokens",
+    "n",
+    "presence_penalty",
+    "prompt_cache_key",
+    "reasoning_format",
+    "return_raw_tokens",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "suffix",
+    "temperature",
+    "top_p",
+    "user",
 ]
 
 
@@ -21,7 +39,12 @@ def test_response_carries_every_field(http):
     assert isinstance(out["created"], int)
     assert out["model"] == ALIAS  # the name the request used
     assert out["system_fingerprint"].startswith("fp_")
-    assert set(out["usage"]) >= {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+    assert set(out["usage"]) >= {
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+        "prompt_tokens_details",
+    }
     assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert set(out["time_info"]) == {"queue_time", "prompt_time", "completion_time", "total_time", "created"}
 
@@ -86,7 +109,12 @@ def test_out_of_vocabulary_token_id_is_400(http):
 
 def test_bad_requests_leave_the_server_serving(http):
     for body in (b"{", b"[]", b'{"model": 1}'):
-        assert http.post("/v1/completions", content=body, headers={"content-type": "application/json"}).status_code < 500
+        assert (
+            http.post(
+                "/v1/completions", content=body, headers={"content-type": "application/json"}
+            ).status_code
+            < 500
+        )
     assert complete(http, prompt=PROMPT, max_tokens=2)["choices"][0]["text"]
 
 
@@ -157,8 +185,11 @@ def test_api_keys_are_required_when_set(keyed_server):
 
 def test_client_disconnect_mid_stream_leaves_server_healthy(http, server):
     with httpx.Client(base_url=server.url, timeout=60) as other:
-        with other.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 500,
-                                                           "stream": True}) as r:
+        with other.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "stream": True},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     break

@@ -7,14 +7,12 @@ import pytest
 import torch
 from conftest import MODEL
 
-from waferscale.models import builtin_model_path
-
 PROMPTS = [
     "The history of the Roman Empire is long and complicated. It began when Augustus became the first emperor, "
     "and over the next centuries the empire grew to cover most of Europe, North Africa and the Middle East, "
     "until",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively so that large values of "
-    "n do not overflow the recursion limit of the Python interpreter.\"\"\"\n    a, b = 0, 1\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number, computed iteratively so that large values of '
+    'n do not overflow the recursion limit of the Python interpreter."""\n    a, b = 0, 1\n',
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     "<|im_start|>user\nExplain in two sentences why the sky looks blue during the day and red at sunset."
     "<|im_end|>\n<|im_start|>assistant\n",
@@ -23,13 +21,8 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def reference():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = builtin_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model.eval(), tokenizer
+def reference(hf_reference, hf_tokenizer):
+    return hf_reference, hf_tokenizer
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["history", "code", "chat"])
@@ -37,18 +30,29 @@ def test_greedy_tokens_and_logprobs_match_transformers(server_f32, reference, pr
     model, tokenizer = reference
     prompt_ids = tokenizer(prompt)["input_ids"]
     assert len(prompt_ids) >= 40
-    body = {"model": MODEL, "prompt": prompt_ids, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 0,
-            "return_raw_tokens": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt_ids,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "logprobs": 0,
+        "return_raw_tokens": True,
+    }
     with httpx.Client(base_url=server_f32.url, timeout=300) as http:
         out = http.post("/v1/completions", json=body).json()
     ours = out["choices"][0]["tokens"]
     our_logprobs = out["choices"][0]["logprobs"]["token_logprobs"]
     with torch.no_grad():
         gen = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
-            return_dict_in_generate=True, eos_token_id=2, pad_token_id=2,
+            torch.tensor([prompt_ids]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=2,
+            pad_token_id=2,
         )
-    theirs = gen.sequences[0, len(prompt_ids):].tolist()
+    theirs = gen.sequences[0, len(prompt_ids) :].tolist()
     if theirs and theirs[-1] == 2:  # EOS ends generation; it is not returned as a token
         theirs = theirs[:-1]
     assert len(theirs) > 5

@@ -14,7 +14,7 @@ from conftest import MODEL, Server
 
 from waferscale.engine import LLMEngine, SamplingParams
 from waferscale.engine.kv_cache import SequenceKVCache
-from waferscale.models import ModelLoadError, builtin_model_path, load_model
+from waferscale.models import ModelLoadError, load_model
 
 
 def greedy(loaded, ids: list[int], n: int) -> list[int]:
@@ -36,22 +36,18 @@ def our_logits(loaded, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory):
+def hf_folder(tmp_path_factory, hf_reference, hf_tokenizer):
     """A real Hugging Face folder (config.json, model.safetensors, tokenizer.json) of the built-in model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = builtin_model_path()
-    folder = tmp_path_factory.mktemp("SmolLM2-HF")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     from safetensors.torch import save_file
 
+    folder = tmp_path_factory.mktemp("SmolLM2-HF")
     # save_pretrained refuses GGUF-loaded models, so write the folder's three parts directly
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    state = {k: v.contiguous() for k, v in hf_reference.state_dict().items() if k != "lm_head.weight"}  # tied
     save_file(state, str(folder / "model.safetensors"))
-    config = model.config.to_dict()
+    config = hf_reference.config.to_dict()
     config.pop("quantization_config", None)
     (folder / "config.json").write_text(json.dumps(config))
-    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(folder)
+    hf_tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -69,12 +65,29 @@ def test_hf_folder_and_gguf_give_the_same_greedy_tokens(hf_folder):
 def _tiny(kind: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    common = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     if kind == "llama":  # explicit head_dim, llama3 rope scaling, untied head
-        return LlamaConfig(**common, head_dim=32, rope_theta=500000.0, tie_word_embeddings=False,
-                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return LlamaConfig(
+            **common,
+            head_dim=32,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     if kind == "mistral":
         return MistralConfig(**common, rope_theta=1e6, sliding_window=None)
     return Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)  # q/k/v biases, tied head
@@ -125,13 +138,23 @@ def test_builtin_model_name_is_derived_from_the_file():
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-m", "waferscale", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "waferscale", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_first_start_shows_progress_and_complete_prints_text(tmp_path):
-    r = run_cli("complete", "The capital of France is", "--max-tokens", "4",
-                env={"WAFERSCALE_CACHE_DIR": str(tmp_path)})
+    r = run_cli(
+        "complete",
+        "The capital of France is",
+        "--max-tokens",
+        "4",
+        env={"WAFERSCALE_CACHE_DIR": str(tmp_path)},
+    )
     assert r.returncode == 0, r.stderr
     assert "converting SmolLM2-135M-Instruct.Q4_1.gguf" in r.stderr and "272/272" in r.stderr
     assert r.stdout.strip()
@@ -141,9 +164,18 @@ def test_first_start_shows_progress_and_complete_prints_text(tmp_path):
     ("make", "expected"),
     [
         (lambda p: p / "missing.gguf", "does not exist"),
-        (lambda p: (p / "junk.gguf").write_bytes(b"not a gguf at all") and p / "junk.gguf", "not a readable GGUF"),
-        (lambda p: (p / "config.json").write_text(json.dumps({"model_type": "gpt2"})) and p, "unsupported architecture"),
-        (lambda p: (p / "notes.txt").write_text("x") and p / "notes.txt", "not a GGUF file or a Hugging Face folder"),
+        (
+            lambda p: (p / "junk.gguf").write_bytes(b"not a gguf at all") and p / "junk.gguf",
+            "not a readable GGUF",
+        ),
+        (
+            lambda p: (p / "config.json").write_text(json.dumps({"model_type": "gpt2"})) and p,
+            "unsupported architecture",
+        ),
+        (
+            lambda p: (p / "notes.txt").write_text("x") and p / "notes.txt",
+            "not a GGUF file or a Hugging Face folder",
+        ),
     ],
     ids=["missing", "corrupt-gguf", "unsupported-arch", "other-file"],
 )
@@ -162,7 +194,15 @@ def test_load_model_raises_model_load_error_for_bad_dtype():
 
 def test_serve_help_explains_each_option():
     out = run_cli("serve", "--help").stdout
-    for option in ("--model", "--served-model-name", "--host", "--port", "--dtype", "--max-model-len", "--api-key"):
+    for option in (
+        "--model",
+        "--served-model-name",
+        "--host",
+        "--port",
+        "--dtype",
+        "--max-model-len",
+        "--api-key",
+    ):
         assert option in out
 
 

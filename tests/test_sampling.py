@@ -124,7 +124,9 @@ def test_echo_prepends_prompt_and_scores_its_tokens(http):
 
 
 def test_prompt_forms_and_prompt_major_indexes(http, hf_tokenizer):
-    ids = complete(http, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)["choices"][0]["logprobs"]["tokens"]
+    ids = complete(http, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)["choices"][0]["logprobs"][
+        "tokens"
+    ]
     assert len(ids) == 7
     base = text(complete(http, prompt=PROMPT, max_tokens=6, temperature=0))
     raw = complete(http, prompt=PROMPT, max_tokens=6, temperature=0, return_raw_tokens=True)
@@ -148,6 +150,8 @@ def test_return_raw_tokens_gives_ids_and_refuses_echo(http):
     assert len(tokens) == 5 and all(isinstance(t, int) for t in tokens)
     again = complete(http, prompt=tokens, max_tokens=0, echo=True)
     assert text(again) == text(out)
-    r = http.post("/v1/completions", json={"model": "smollm2-135m-instruct", "prompt": PROMPT, "echo": True,
-                                           "return_raw_tokens": True})
+    r = http.post(
+        "/v1/completions",
+        json={"model": "smollm2-135m-instruct", "prompt": PROMPT, "echo": True, "return_raw_tokens": True},
+    )
     assert r.status_code == 400 and "return_raw_tokens" in r.json()["error"]["message"]

@@ -35,7 +35,9 @@ def test_reference_example_parses_with_strict_validation(cerebras):
 
 def test_cerebras_sdk_streams_the_same_text(cerebras):
     full = cerebras.completions.create(prompt=PROMPT, max_tokens=24, model=MODEL, temperature=0)
-    chunks = list(cerebras.completions.create(prompt=PROMPT, max_tokens=24, model=MODEL, temperature=0, stream=True))
+    chunks = list(
+        cerebras.completions.create(prompt=PROMPT, max_tokens=24, model=MODEL, temperature=0, stream=True)
+    )
     assert len(chunks) > 2
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
@@ -43,10 +45,17 @@ def test_cerebras_sdk_streams_the_same_text(cerebras):
 
 
 def test_openai_sdk_completion_and_stream(openai_client):
-    full = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2)
+    full = openai_client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2
+    )
     assert full.choices[0].logprobs.text_offset[0] == 30
     stream = openai_client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text

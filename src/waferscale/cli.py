@@ -31,7 +31,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="waferscale", description="Serve the Cerebras Inference API locally.")
+    parser = argparse.ArgumentParser(
+        prog="waferscale", description="Serve the Cerebras Inference API locally."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the HTTP server", description="Run the HTTP server.")
@@ -44,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="another name clients may use for the model (repeatable), e.g. llama3.1-8b so Cerebras examples run "
         "unchanged; the name derived from the model always works too",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
+    )
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     serve.add_argument(
         "--api-key",
@@ -81,7 +85,11 @@ def _load(args):
         print(f"waferscale: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     logging.getLogger("waferscale").info(
-        "loaded %s (%s, context %d) in %.1f s", loaded.name, args.dtype, loaded.max_model_len, time.perf_counter() - t0
+        "loaded %s (%s, context %d) in %.1f s",
+        loaded.name,
+        args.dtype,
+        loaded.max_model_len,
+        time.perf_counter() - t0,
     )
     return loaded
 
@@ -109,7 +117,9 @@ def serve(args) -> None:
     )
     app = create_app(ctx, keys)
     if not keys:
-        log.warning("no API key set (--api-key or WAFERSCALE_API_KEY): the server is open to anyone who can reach it")
+        log.warning(
+            "no API key set (--api-key or WAFERSCALE_API_KEY): the server is open to anyone who can reach it"
+        )
     log.info("serving %s on http://%s:%d (models: %s)", loaded.name, args.host, args.port, ", ".join(names))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
 

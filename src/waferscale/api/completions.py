@@ -145,7 +145,9 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[Prompt]:
     if not items:
         raise APIError(400, "prompt is an empty list; send at least one prompt", param="prompt")
     if len(items) > MAX_PROMPTS:
-        raise APIError(400, f"{len(items)} prompts in one request; the limit is {MAX_PROMPTS}", param="prompt")
+        raise APIError(
+            400, f"{len(items)} prompts in one request; the limit is {MAX_PROMPTS}", param="prompt"
+        )
     tok = ctx.tokenizer
     prompts = []
     for item in items:
@@ -156,7 +158,9 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[Prompt]:
         bad = [t for t in item if t >= ctx.vocab_size]
         if bad:
             raise APIError(
-                400, f"token id {bad[0]} is out of range; this model's vocabulary is 0..{ctx.vocab_size - 1}", param="prompt"
+                400,
+                f"token id {bad[0]} is out of range; this model's vocabulary is 0..{ctx.vocab_size - 1}",
+                param="prompt",
             )
         prompts.append(Prompt(tok.decode(item, skip_special_tokens=False), list(item), None))
     for p in prompts:
@@ -180,7 +184,9 @@ def _logit_bias(req: CompletionRequest, ctx: ServingContext) -> dict[int, float]
                 param="logit_bias",
             )
         if not -100 <= value <= 100:
-            raise APIError(400, f"logit_bias value {value} for token {key} is outside -100..100", param="logit_bias")
+            raise APIError(
+                400, f"logit_bias value {value} for token {key} is outside -100..100", param="logit_bias"
+            )
         out[token] = float(value)
     return out
 
@@ -219,7 +225,9 @@ def logprobs_block(entries: list[TokenLogprob], base: int, k: int) -> dict:
     }
 
 
-def with_prompt_offsets(prompt: Prompt, entries: list[TokenLogprob], tok: ModelTokenizer) -> list[TokenLogprob]:
+def with_prompt_offsets(
+    prompt: Prompt, entries: list[TokenLogprob], tok: ModelTokenizer
+) -> list[TokenLogprob]:
     for e, off in zip(entries, prompt_offsets(prompt, tok)):
         e.offset = off
     return entries
@@ -251,13 +259,29 @@ class Choice:
             self.finish_reason, self.error, self.last = ev.finish_reason, ev.error, ev
 
 
-def choice_body(plan: Plan, ctx: ServingContext, index: int, prompt: Prompt, ev_text: str, token_ids, entries,
-                prompt_entries, finish_reason, first: bool) -> dict:
+def choice_body(
+    plan: Plan,
+    ctx: ServingContext,
+    index: int,
+    prompt: Prompt,
+    ev_text: str,
+    token_ids,
+    entries,
+    prompt_entries,
+    finish_reason,
+    first: bool,
+) -> dict:
     """One CompletionChoice; `first` marks the chunk that carries the echoed prompt."""
     text = ev_text
     if plan.echo and first:
         text = prompt.text + text
-    body: dict = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None, "tokens": None}
+    body: dict = {
+        "index": index,
+        "text": text,
+        "finish_reason": finish_reason,
+        "logprobs": None,
+        "tokens": None,
+    }
     if plan.logprobs is not None:
         k = plan.logprobs
         block = logprobs_block(entries, len(prompt.text), k)
@@ -306,7 +330,9 @@ class CompletionRun:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.last.num_cached_tokens for c in self.choices if c.last)},
+            "prompt_tokens_details": {
+                "cached_tokens": sum(c.last.num_cached_tokens for c in self.choices if c.last)
+            },
         }
 
     def _time_info(self) -> dict:
@@ -342,8 +368,18 @@ class CompletionRun:
             raise APIError(500, failed.error or "generation failed")
         picked = self._pick_best()
         choices = [
-            choice_body(self.plan, self.ctx, idx, c.prompt, c.text, c.token_ids, c.logprobs, c.prompt_logprobs,
-                        c.finish_reason, True)
+            choice_body(
+                self.plan,
+                self.ctx,
+                idx,
+                c.prompt,
+                c.text,
+                c.token_ids,
+                c.logprobs,
+                c.prompt_logprobs,
+                c.finish_reason,
+                True,
+            )
             for idx, c in picked
         ]
         return {**self._header(), "choices": choices, "usage": self._usage(), "time_info": self._time_info()}
@@ -373,7 +409,9 @@ class CompletionRun:
                 await queue.put((k, GenerationEvent("", finished=True, error=f"{type(exc).__name__}")))
 
         tasks = [asyncio.create_task(run(k)) for k in range(len(self.choices))]
-        include_usage = bool(self.plan.request.stream_options and self.plan.request.stream_options.include_usage)
+        include_usage = bool(
+            self.plan.request.stream_options and self.plan.request.stream_options.include_usage
+        )
         started = [False] * len(self.choices)
         remaining = len(self.choices)
         try:
@@ -391,15 +429,27 @@ class CompletionRun:
                     continue
                 chunk = self._header()
                 chunk["choices"] = [
-                    choice_body(self.plan, self.ctx, c.index, c.prompt, ev.text, ev.token_ids, ev.logprobs,
-                                ev.prompt_logprobs, ev.finish_reason if ev.finished else None, not started[k])
+                    choice_body(
+                        self.plan,
+                        self.ctx,
+                        c.index,
+                        c.prompt,
+                        ev.text,
+                        ev.token_ids,
+                        ev.logprobs,
+                        ev.prompt_logprobs,
+                        ev.finish_reason if ev.finished else None,
+                        not started[k],
+                    )
                 ]
                 started[k] = True
                 if remaining == 0 and not include_usage:
                     chunk["time_info"] = self._time_info()
                 yield _sse(chunk)
             if include_usage:
-                yield _sse({**self._header(), "choices": [], "usage": self._usage(), "time_info": self._time_info()})
+                yield _sse(
+                    {**self._header(), "choices": [], "usage": self._usage(), "time_info": self._time_info()}
+                )
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:

@@ -19,12 +19,16 @@ def media_type(header: str | None) -> str:
     return (header or "application/json").split(";", 1)[0].strip().lower()
 
 
-def decode_body(body: bytes, content_type: str | None, content_encoding: str | None, max_bytes: int = MAX_BODY_BYTES):
+def decode_body(
+    body: bytes, content_type: str | None, content_encoding: str | None, max_bytes: int = MAX_BODY_BYTES
+):
     """The decoded object of a request body; a 4xx APIError that names the problem otherwise."""
     kind = media_type(content_type)
     if kind not in REQUEST_CONTENT_TYPES:
         raise APIError(
-            415, f"unsupported content type {kind!r}; send one of: {', '.join(REQUEST_CONTENT_TYPES)}", code="unsupported_media_type"
+            415,
+            f"unsupported content type {kind!r}; send one of: {', '.join(REQUEST_CONTENT_TYPES)}",
+            code="unsupported_media_type",
         )
     encoding = (content_encoding or "identity").strip().lower()
     if encoding == "gzip":

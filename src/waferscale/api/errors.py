@@ -68,7 +68,9 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(
+            error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -64,7 +64,9 @@ class CompletionRequest(BaseModel):
         "**Note:** Because this parameter generates many completions, it can quickly consume your token quota. "
         "Use carefully and ensure that you have reasonable settings for `max_tokens` and `stop`",
     )
-    echo: bool | None = Field(default=False, title="Echo", description="Echo back the prompt in addition to the completion")
+    echo: bool | None = Field(
+        default=False, title="Echo", description="Echo back the prompt in addition to the completion"
+    )
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = Field(
         default=0.0,
         title="Frequency Penalty",
@@ -72,7 +74,9 @@ class CompletionRequest(BaseModel):
         "frequency in the text so far, decreasing the model's likelihood to repeat the same line verbatim.",
     )
     grammar_root: str | None = Field(
-        default=None, title="Grammar Root", description="The grammar root used for structured output generation."
+        default=None,
+        title="Grammar Root",
+        description="The grammar root used for structured output generation.",
     )
     logit_bias: dict[str, float] | None = Field(
         default=None,
@@ -197,7 +201,9 @@ class CompletionLogProbs(BaseModel):
 
 class CompletionChoice(BaseModel):
     model_config = ConfigDict(extra="forbid", title="CompletionChoice")
-    finish_reason: Literal["stop", "length", "content_filter", "tool_calls"] | None = NoDefault(title="Finish Reason")
+    finish_reason: Literal["stop", "length", "content_filter", "tool_calls"] | None = NoDefault(
+        title="Finish Reason"
+    )
     index: int = Field(title="Index")
     logprobs: CompletionLogProbs | None = NoDefault()
     text: str | None = NoDefault(title="Text")

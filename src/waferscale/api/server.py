@@ -84,7 +84,8 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
             "requestBody": {
                 "required": True,
                 "content": {
-                    t: {"schema": {"$ref": "#/components/schemas/CompletionRequest"}} for t in REQUEST_CONTENT_TYPES
+                    t: {"schema": {"$ref": "#/components/schemas/CompletionRequest"}}
+                    for t in REQUEST_CONTENT_TYPES
                 },
             },
             "security": [{"HTTPBearer": []}],

@@ -14,7 +14,11 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True
+        self,
+        tokenizer: ModelTokenizer,
+        prompt_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
     ):
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens

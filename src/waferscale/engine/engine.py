@@ -46,7 +46,9 @@ class LLMEngine:
             prompt_ids=list(prompt_ids),
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
-            kv=SequenceKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype, self.max_model_len),
+            kv=SequenceKVCache(
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype, self.max_model_len
+            ),
             generator=generator,
         )
         self.waiting.append(seq)
@@ -73,7 +75,11 @@ class LLMEngine:
         except Exception as exc:  # one sequence's failure never stops the engine
             log.exception("generation failed for %s", seq.request_id)
             self.running = None
-            return [GenerationEvent(seq.request_id, finished=True, error=f"generation failed: {type(exc).__name__}")]
+            return [
+                GenerationEvent(
+                    seq.request_id, finished=True, error=f"generation failed: {type(exc).__name__}"
+                )
+            ]
         if seq.finished:
             self.running = None
         return [event]
@@ -109,7 +115,9 @@ class LLMEngine:
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.params
-        controlled = sampler.apply_controls(logits, params, seq.output_counts, self.eos_ids, seq.num_generated)
+        controlled = sampler.apply_controls(
+            logits, params, seq.output_counts, self.eos_ids, seq.num_generated
+        )
         token = sampler.draw(controlled, params, seq.generator)
         logprobs = torch.log_softmax(logits, -1)
         k = params.logprobs or 0
@@ -141,7 +149,10 @@ class LLMEngine:
         elif seq.detokenizer.add(token) is not None:
             seq.finish_reason = "stop"
             return
-        if seq.num_generated >= params.max_tokens or len(seq.prompt_ids) + seq.num_generated >= self.max_model_len:
+        if (
+            seq.num_generated >= params.max_tokens
+            or len(seq.prompt_ids) + seq.num_generated >= self.max_model_len
+        ):
             seq.finish_reason = "length"
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> list[TokenLogprob]:
@@ -151,12 +162,19 @@ class LLMEngine:
         text = self.tokenizer.token_text
         out = [TokenLogprob(token_id=ids[0], text=text(ids[0]), logprob=None, top=None)]
         for start in range(0, len(ids) - 1, _LOGIT_CHUNK):
-            rows = torch.log_softmax(self.model.logits(hidden[start : min(start + _LOGIT_CHUNK, len(ids) - 1)]), -1)
+            rows = torch.log_softmax(
+                self.model.logits(hidden[start : min(start + _LOGIT_CHUNK, len(ids) - 1)]), -1
+            )
             for j in range(rows.shape[0]):
                 tok = ids[start + j + 1]
                 lp, top = sampler.token_logprobs(rows[j], tok, k)
                 out.append(
-                    TokenLogprob(token_id=tok, text=text(tok), logprob=lp, top=[(text(i), v) for i, v in top] if k else None)
+                    TokenLogprob(
+                        token_id=tok,
+                        text=text(tok),
+                        logprob=lp,
+                        top=[(text(i), v) for i, v in top] if k else None,
+                    )
                 )
         return out
 

@@ -81,7 +81,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv, layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv, layer: int
+    ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = rotary(q.view(t, self.num_heads, self.head_dim), positions)
@@ -165,7 +167,12 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = layer.self_attn
-            put(a.qkv_proj, "weight", torch.cat([take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]), p + "qkv")
+            put(
+                a.qkv_proj,
+                "weight",
+                torch.cat([take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]),
+                p + "qkv",
+            )
             if a.qkv_proj.bias is not None:
                 bias = torch.cat([take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
                 put(a.qkv_proj, "bias", bias, p + "qkv.bias")

