@@ -68,8 +68,8 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server():
-    """The default server: built-in model, bfloat16, also served as llama3.1-8b."""
-    s = Server("--served-model-name", ALIAS)
+    """The default server: built-in model, bfloat16, also served as llama3.1-8b, fault injection on."""
+    s = Server("--served-model-name", ALIAS, "--enable-fault-injection")
     yield s
     s.stop()
 

@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
         "WAFERSCALE_API_KEY); with none, the server is open",
     )
     serve.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
+    serve.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="testing aid: a request header X-Waferscale-Fault-After: N makes its generation fail after N tokens",
+    )
 
     complete = sub.add_parser("complete", help="print one completion without a server")
     _add_model_args(complete)
@@ -114,6 +119,7 @@ def serve(args) -> None:
         vocab_size=loaded.config.vocab_size,
         fingerprint=loaded.fingerprint,
         log_requests=args.log_requests,
+        fault_injection=args.enable_fault_injection,
     )
     app = create_app(ctx, keys)
     if not keys:

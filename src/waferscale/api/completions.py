@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -35,6 +36,7 @@ class ServingContext:
     fingerprint: str
     created: int = field(default_factory=lambda: int(time.time()))
     log_requests: bool = False
+    fault_injection: bool = False  # honour X-Waferscale-Fault-After (testing aid, off unless asked for)
 
 
 @dataclass
@@ -152,6 +154,12 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[Prompt]:
     prompts = []
     for item in items:
         if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:  # JSON can carry lone surrogates; no tokenizer can
+                raise APIError(
+                    400, "prompt is not valid Unicode (it holds a lone surrogate)", param="prompt"
+                ) from None
             ids, offsets = tok.encode_with_offsets(item)
             prompts.append(Prompt(item, ids, offsets))
             continue
@@ -300,8 +308,8 @@ def choice_body(
 class CompletionRun:
     """Runs a plan on the engine and renders the response or the stream."""
 
-    def __init__(self, plan: Plan, ctx: ServingContext):
-        self.plan, self.ctx = plan, ctx
+    def __init__(self, plan: Plan, ctx: ServingContext, fail_after: int | None = None):
+        self.plan, self.ctx, self.fail_after = plan, ctx, fail_after
         self.id = f"cmpl-{uuid.uuid4()}"
         self.started = time.perf_counter()
         self.choices: list[Choice] = []
@@ -311,8 +319,12 @@ class CompletionRun:
 
     def _generate(self, k: int) -> AsyncIterator[GenerationEvent]:
         c = self.choices[k]
-        prompt_index = k // self.plan.best_of
-        return self.ctx.engine.generate(f"{self.id}-{k}", c.prompt.ids, self.plan.params[prompt_index])
+        params = self.plan.params[k // self.plan.best_of]
+        if params.seed is not None:  # each candidate of a prompt draws its own stream: seed, seed+1, ...
+            params = dataclasses.replace(params, seed=params.seed + k % self.plan.best_of)
+        if self.fail_after is not None:
+            params = dataclasses.replace(params, fail_after=self.fail_after)
+        return self.ctx.engine.generate(f"{self.id}-{k}", c.prompt.ids, params)
 
     def _header(self) -> dict:
         return {
@@ -367,6 +379,7 @@ class CompletionRun:
         if failed is not None:
             raise APIError(500, failed.error or "generation failed")
         picked = self._pick_best()
+        self._log_texts([c.text for _, c in picked])
         choices = [
             choice_body(
                 self.plan,
@@ -383,6 +396,10 @@ class CompletionRun:
             for idx, c in picked
         ]
         return {**self._header(), "choices": choices, "usage": self._usage(), "time_info": self._time_info()}
+
+    def _log_texts(self, outputs: list[str]) -> None:
+        if self.ctx.log_requests:  # prompts and outputs are private unless the operator asks
+            log.info("%s prompts=%r outputs=%r", self.id, [p.text for p in self.plan.prompts], outputs)
 
     def _pick_best(self) -> list[tuple[int, Choice]]:
         """With best_of > n, the n candidates of each prompt with the highest mean token logprob."""
@@ -446,6 +463,7 @@ class CompletionRun:
                 if remaining == 0 and not include_usage:
                     chunk["time_info"] = self._time_info()
                 yield _sse(chunk)
+            self._log_texts([c.text for c in self.choices])
             if include_usage:
                 yield _sse(
                     {**self._header(), "choices": [], "usage": self._usage(), "time_info": self._time_info()}

@@ -97,6 +97,9 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         cf_ray: str | None = Header(default=None, alias="CF-RAY"),
         x_delay_time: float | None = Header(default=None, alias="X-delay-time"),
     ):
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body is {declared} bytes; the limit is {MAX_BODY_BYTES}")
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
             raise APIError(413, f"request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
@@ -106,7 +109,8 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         trace = cf_ray or x_amz_cf_id
         if req.user or trace:
             log.info("completion request user=%s trace=%s", req.user, trace)
-        run = CompletionRun(plan, ctx)
+        fault = request.headers.get("x-waferscale-fault-after", "")
+        run = CompletionRun(plan, ctx, int(fault) if ctx.fault_injection and fault.isdigit() else None)
         if req.stream:
             return StreamingResponse(
                 run.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

@@ -1,7 +1,8 @@
 """The engine: a queue of sequences and a `step()` that advances them by one forward pass each call.
 
-This first engine runs one sequence at a time (prefill, then one decode per step); the interface
-(add_request / abort / step -> events) is the one continuous batching keeps.
+Each step gives every running sequence one forward pass (a prefill or one decode), so sequences progress together
+and none waits for another to finish. The passes are not yet batched into one forward; the interface
+(add_request / abort / step -> events) is the one batching keeps.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ _LOGIT_CHUNK = 256  # prompt rows turned into logits at once when scoring the pr
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, max_running: int = 256):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.eos_ids = [i for i in loaded.tokenizer.eos_token_ids if i < loaded.config.vocab_size]
         self.waiting: deque[Sequence] = deque()
-        self.running: Sequence | None = None
+        self.running: list[Sequence] = []
+        self.max_running = max_running
 
     # ------------------------------------------------------------------ interface
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -40,7 +42,7 @@ class LLMEngine:
         generator = None
         if not params.greedy:
             generator = torch.Generator()
-            generator.manual_seed(params.seed if params.seed is not None else int(torch.seed()))
+            generator.manual_seed(params.seed % 2**64 if params.seed is not None else int(torch.seed()))
         seq = Sequence(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -56,33 +58,31 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Forget a sequence (its client went away); no event is sent for it."""
         self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
-        if self.running is not None and self.running.request_id == request_id:
-            self.running = None
+        self.running = [s for s in self.running if s.request_id != request_id]
 
     def has_work(self) -> bool:
-        return self.running is not None or bool(self.waiting)
+        return bool(self.running or self.waiting)
 
     def step(self) -> list[GenerationEvent]:
-        """Advance the work by one forward pass; return the events it produced."""
-        if self.running is None:
-            if not self.waiting:
-                return []
-            self.running = self.waiting.popleft()
-            self.running.scheduled_at = time.perf_counter()
-        seq = self.running
-        try:
-            event = self._advance(seq)
-        except Exception as exc:  # one sequence's failure never stops the engine
-            log.exception("generation failed for %s", seq.request_id)
-            self.running = None
-            return [
-                GenerationEvent(
-                    seq.request_id, finished=True, error=f"generation failed: {type(exc).__name__}"
+        """Give each running sequence one forward pass; return the events they produced."""
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting.popleft()
+            seq.scheduled_at = time.perf_counter()
+            self.running.append(seq)
+        events = []
+        for seq in self.running:
+            try:
+                events.append(self._advance(seq))
+            except Exception as exc:  # one sequence's failure never stops the engine
+                log.exception("generation failed for %s", seq.request_id)
+                seq.finish_reason = "error"
+                events.append(
+                    GenerationEvent(
+                        seq.request_id, finished=True, error=f"generation failed: {type(exc).__name__}"
+                    )
                 )
-            ]
-        if seq.finished:
-            self.running = None
-        return [event]
+        self.running = [s for s in self.running if not s.finished]
+        return events
 
     # ------------------------------------------------------------------ internals
     def _forward(self, seq: Sequence, ids: list[int], start: int) -> torch.Tensor:
@@ -115,6 +115,8 @@ class LLMEngine:
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.params
+        if params.fail_after is not None and seq.num_generated >= params.fail_after:
+            raise RuntimeError("injected fault")
         controlled = sampler.apply_controls(
             logits, params, seq.output_counts, self.eos_ids, seq.num_generated
         )

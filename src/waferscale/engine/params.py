@@ -18,7 +18,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    fail_after: int | None = None  # fault injection for tests: raise after this many generated tokens
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures this close to 0 are greedy: dividing logits by them would overflow."""
+        return self.temperature < 1e-5

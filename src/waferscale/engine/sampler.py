@@ -38,6 +38,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
         probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (the first token always stays)
         drop = (probs.cumsum(-1) - probs) >= params.top_p
+        drop[0] = False
         sorted_logits[drop] = float("-inf")
         scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
     probs = scaled.softmax(-1)
