@@ -124,12 +124,16 @@ def test_penalties_follow_the_formula(http):
     assert out["choices"][0]["text"] != plain
 
 
-def test_logit_bias_bans_and_forces(http):
-    first = complete(http, **BODY, return_raw_tokens=True)["choices"][0]["tokens"][0]
-    banned = complete(http, **BODY, return_raw_tokens=True, logit_bias={str(first): -100})
-    assert first not in banned["choices"][0]["tokens"]
-    forced = complete(http, **BODY, return_raw_tokens=True, logit_bias={"28": 100})
-    assert forced["choices"][0]["tokens"] == [28, 28, 28, 28]
+def test_logit_bias_bans_and_forces(cerebras):
+    def tokens(**kw):
+        out = cerebras.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, return_raw_tokens=True, **kw
+        )
+        return out.choices[0].tokens
+
+    first = tokens()[0]
+    assert first not in tokens(logit_bias={str(first): -100})
+    assert tokens(logit_bias={"28": 100}) == [28, 28, 28, 28]
 
 
 @pytest.mark.parametrize(
@@ -140,14 +144,14 @@ def test_bad_logit_bias_is_400_naming_it(http, bias, words):
     assert r.status_code == 400 and words in r.json()["error"]["message"]
 
 
-def test_best_of_returns_the_candidate_with_the_best_mean_logprob(http):
-    common = dict(prompt=PROMPT, max_tokens=8, min_tokens=8, temperature=1.0, seed=5, logprobs=0)
-    three = complete(http, **common, n=3)
-    means = [sum(c["logprobs"]["token_logprobs"]) / 8 for c in three["choices"]]
-    best = complete(http, **common, best_of=3)
-    assert len(best["choices"]) == 1
-    assert best["choices"][0]["text"] == three["choices"][means.index(max(means))]["text"]
-    assert best["usage"]["completion_tokens"] == 24  # every candidate counts
+def test_best_of_returns_the_candidate_with_the_best_mean_logprob(cerebras):
+    common = dict(model=MODEL, prompt=PROMPT, max_tokens=8, min_tokens=8, temperature=1.0, seed=5, logprobs=0)
+    three = cerebras.completions.create(**common, n=3)
+    means = [sum(c.logprobs.token_logprobs) / 8 for c in three.choices]
+    best = cerebras.completions.create(**common, best_of=3)
+    assert len(best.choices) == 1
+    assert best.choices[0].text == three.choices[means.index(max(means))].text
+    assert best.usage.completion_tokens == 24  # every candidate counts
 
 
 def test_best_of_rules(http):
@@ -180,15 +184,21 @@ def test_n_streams_interleave_with_their_own_finish(http):
 # ---------------------------------------------------------------- accepted fields
 
 
-def test_accepted_fields_and_headers(http, server):
-    extra = {"user": "user-42", "prompt_cache_key": "conv-1", "reasoning_format": "parsed", "suffix": ""}
-    r = http.post(
-        "/v1/completions",
-        json={**BODY, **extra},
-        headers={"CF-RAY": "ray-123", "X-Amz-Cf-Id": "amz-9", "X-delay-time": "0.5"},
+def test_accepted_fields_and_headers(cerebras, http, server):
+    out = cerebras.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        user="user-42",
+        prompt_cache_key="conv-1",
+        reasoning_format="parsed",
+        suffix="",
+        cf_ray="ray-123",
+        x_amz_cf_id="amz-9",
+        x_delay_time=0.5,
     )
-    assert r.status_code == 200
-    assert r.json()["choices"][0]["text"] == complete(http, **BODY)["choices"][0]["text"]
+    assert out.choices[0].text == complete(http, **BODY)["choices"][0]["text"]
     assert "user=user-42 trace=ray-123" in server.log()
 
 
