@@ -32,6 +32,7 @@ def our_logits(loaded, ids: list[int]) -> torch.Tensor:
     kv = SequenceKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, loaded.max_model_len)
     kv.begin(len(ids))
     hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), kv)
+    kv.commit()
     return loaded.model.logits(hidden)
 
 

@@ -30,6 +30,28 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def parse_size(text: str) -> int:
+    """Bytes from '1073741824', '512MiB', '2GiB', '1.5GB'."""
+    units = {
+        "": 1,
+        "k": 1e3,
+        "kb": 1e3,
+        "kib": 2**10,
+        "m": 1e6,
+        "mb": 1e6,
+        "mib": 2**20,
+        "g": 1e9,
+        "gb": 1e9,
+        "gib": 2**30,
+    }
+    t = str(text).strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    try:
+        return int(float(num) * units[t[len(num) :].strip()])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GiB)") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="waferscale", description="Serve the Cerebras Inference API locally."
@@ -55,6 +77,27 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="comma-separated keys clients must send as 'Authorization: Bearer KEY' (also read from "
         "WAFERSCALE_API_KEY); with none, the server is open",
+    )
+    serve.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="memory for the paged KV cache, e.g. 512MiB or 2GiB (default: 1GiB); sizes the number of requests "
+        "that can run at once",
+    )
+    serve.add_argument(
+        "--max-num-seqs", type=int, default=64, metavar="N", help="most sequences running at once"
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="token budget of one forward step; long prompts are prefilled in chunks of at most this (default 512)",
+    )
+    serve.add_argument(
+        "--no-prefix-cache", action="store_true", help="do not reuse KV blocks of repeated prompt prefixes"
     )
     serve.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     serve.add_argument(
@@ -111,8 +154,15 @@ def serve(args) -> None:
     keys = parse_keys(args.api_key, os.environ.get("WAFERSCALE_API_KEY"))
     loaded = _load(args)
     names = [loaded.name] + [n for n in args.served_model_name if n != loaded.name]
+    engine = LLMEngine(
+        loaded,
+        kv_cache_bytes=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_cache=not args.no_prefix_cache,
+    )
     ctx = ServingContext(
-        engine=AsyncEngine(LLMEngine(loaded)),
+        engine=AsyncEngine(engine),
         tokenizer=loaded.tokenizer,
         served_names=names,
         max_model_len=loaded.max_model_len,

@@ -1,4 +1,4 @@
-"""One sequence being generated: its prompt, parameters, random generator, KV cache and output so far."""
+"""One sequence being generated: its tokens, parameters, random generator, KV blocks and output so far."""
 
 from __future__ import annotations
 
@@ -8,31 +8,45 @@ from dataclasses import dataclass, field
 import torch
 
 from waferscale.engine.detokenizer import IncrementalDetokenizer
-from waferscale.engine.kv_cache import SequenceKVCache
 from waferscale.engine.outputs import TokenLogprob
 from waferscale.engine.params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler keeps sequences in lists
 class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    kv: SequenceKVCache
     generator: torch.Generator | None = None
-    output_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(
+        default_factory=list
+    )  # prompt + every sampled token (what the KV cache holds)
+    output_ids: list[int] = field(default_factory=list)  # sampled tokens returned to the client (no EOS)
     output_counts: dict[int, int] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks computed so far
+    num_computed: int = 0  # tokens whose keys/values are in the cache
+    num_cached: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted_once: bool = False
+    prompt_logprobs_sent: bool = False
     num_generated: int = 0
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     scheduled_at: float | None = None
     first_token_at: float | None = None
-    prefilled: bool = False
-    last_token: int = -1
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return len(self.token_ids) - self.num_computed

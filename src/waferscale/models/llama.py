@@ -122,17 +122,8 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim), *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        keys, values, mask, causal = kv.update(layer, k, v)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(t, self.q_size))
+        out = kv.attend(layer, q, k, v, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
