@@ -8,7 +8,7 @@ import logging
 import msgpack
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from waferscale import __version__
 from waferscale.api.auth import BearerAuth
@@ -54,6 +54,22 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
     async def tcp_warming() -> dict:
         """The official SDK calls this when a client is constructed; it answers at once."""
         return {"status": "ok"}
+
+    @app.get("/metrics", tags=["Server"], response_class=PlainTextResponse)
+    async def metrics() -> str:
+        """Prometheus text format: engine queue, KV cache and prefix-cache counters."""
+        stats = ctx.engine.engine.stats()
+        kinds = {
+            "generated_tokens": "counter",
+            "preemptions": "counter",
+            "prefix_cache_queries": "counter",
+            "prefix_cache_hits": "counter",
+        }
+        lines = []
+        for key, value in stats.items():
+            name = f"waferscale_{key}" + ("_total" if kinds.get(key) == "counter" else "")
+            lines += [f"# TYPE {name} {kinds.get(key, 'gauge')}", f"{name} {value}"]
+        return "\n".join(lines) + "\n"
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, created=ctx.created)

@@ -82,6 +82,21 @@ class LLMEngine:
         self.running = [s for s in self.running if s.request_id != request_id]
         self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
 
+    def stats(self) -> dict[str, float]:
+        """Counters for /metrics (read from another thread: plain ints, no locking needed)."""
+        b = self.blocks
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "kv_blocks_used": b.num_used,
+            "kv_blocks_free": b.num_available,
+            "kv_blocks_cached": len(b.evictable),
+            "prefix_cache_queries": b.queries,
+            "prefix_cache_hits": b.hits,
+            "generated_tokens": self.generated_tokens,
+            "preemptions": self.num_preemptions,
+        }
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 

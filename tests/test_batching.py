@@ -1,0 +1,111 @@
+"""Continuous batching, the paged KV cache, prefix caching, preemption and disconnects, through real clients."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from conftest import MODEL, Server, complete
+
+PROMPTS = [f"Write a short note number {i} about the sea, the wind and the" for i in range(12)]
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+@pytest.fixture
+def cerebras_f32(server_f32):
+    """Batch-invariant numbers need float32: bfloat16 GEMMs round differently at different batch sizes."""
+    from cerebras.cloud.sdk import Cerebras
+
+    with Cerebras(api_key="x", base_url=server_f32.url, max_retries=0) as client:
+        yield client
+
+
+def test_concurrent_requests_get_the_same_greedy_outputs_as_sequential(cerebras_f32):
+    cerebras = cerebras_f32
+
+    def one(prompt):
+        out = cerebras.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+        return out.choices[0].text
+
+    sequential = [one(p) for p in PROMPTS[:6]]
+    with ThreadPoolExecutor(12) as pool:
+        concurrent = list(pool.map(one, PROMPTS[:6] * 2))
+    assert concurrent == sequential * 2
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(cerebras_f32):
+    cerebras = cerebras_f32
+
+    def one(prompt, seed=None):
+        return (
+            cerebras.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+        )
+
+    alone = one(PROMPTS[0], seed=1234)
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(one, p) for p in PROMPTS[1:12]] + [pool.submit(one, PROMPTS[0], 1234)]
+        assert futures[-1].result() == alone
+
+
+def test_repeated_long_prompt_is_served_from_the_prefix_cache(http, server):
+    long_prompt = " ".join(f"fact {i}: the sea is wide." for i in range(60))
+    first = complete(http, prompt=long_prompt, max_tokens=8, temperature=0)
+    second = complete(http, prompt=long_prompt, max_tokens=8, temperature=0)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] - 16 and cached % 16 == 0
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert metrics(server.url)["waferscale_prefix_cache_hits_total"] > 0
+
+
+def test_disconnected_streams_return_their_blocks(server):
+    base = metrics(server.url)["waferscale_kv_blocks_used"]
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "stream": True}
+    for _ in range(3):
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break
+    deadline = time.time() + 10
+    while time.time() < deadline and metrics(server.url)["waferscale_kv_blocks_used"] > base:
+        time.sleep(0.1)
+    m = metrics(server.url)
+    assert m["waferscale_kv_blocks_used"] == base and m["waferscale_running"] == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_pool_server():
+    s = Server("--kv-cache-memory", "8MiB", "--dtype", "float32")  # 11 blocks of 16 tokens (10 usable)
+    yield s
+    s.stop()
+
+
+def test_a_pool_too_small_for_all_sequences_still_completes_every_request(tiny_pool_server):
+    from cerebras.cloud.sdk import Cerebras
+
+    client = Cerebras(api_key="x", base_url=tiny_pool_server.url, max_retries=0)
+
+    def one(prompt):
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=48, min_tokens=48, temperature=0
+        )
+        return out.choices[0].text
+
+    expected = [one(p) for p in PROMPTS[:4]]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, PROMPTS[:4] * 2))
+    assert got == expected * 2
+    assert metrics(tiny_pool_server.url)["waferscale_preemptions_total"] > 0
