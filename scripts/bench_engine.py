@@ -30,7 +30,7 @@ def engine_rates(model: str | None, dtype: str, runs: int) -> tuple[float, float
     from waferscale.models import load_model
 
     loaded = load_model(model, dtype=dtype, progress=False)
-    engine = LLMEngine(loaded)
+    engine = LLMEngine(loaded, enable_prefix_cache=False)  # every run computes its whole prompt
 
     def run(ids, max_tokens, min_tokens=0):
         engine.add_request("b", ids, SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, temperature=0))

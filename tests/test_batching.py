@@ -109,3 +109,40 @@ def test_a_pool_too_small_for_all_sequences_still_completes_every_request(tiny_p
         got = list(pool.map(one, PROMPTS[:4] * 2))
     assert got == expected * 2
     assert metrics(tiny_pool_server.url)["waferscale_preemptions_total"] > 0
+
+
+def test_bench_command_prints_and_writes_figures(server, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "waferscale",
+            "bench",
+            "--url",
+            server.url,
+            "--concurrency",
+            "2",
+            "--requests",
+            "4",
+            "--prompt-tokens",
+            "16",
+            "--output-tokens",
+            "8",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "output_tok_s" in r.stdout and "ttft_p50_ms" in r.stdout
+    figures = json.loads(out.read_text())
+    assert figures["errors"] == 0 and figures["requests"] == 4
+    assert figures["output_tok_s"] > 0 and figures["ttft_p99_ms"] >= figures["ttft_p50_ms"] > 0
+    assert figures["wall_s"] * figures["output_tok_s"] == pytest.approx(4 * 8)

@@ -111,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("prompt", help="the prompt text")
     complete.add_argument("--max-tokens", type=int, default=64)
     complete.add_argument("--temperature", type=float, default=0.0)
+    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible /v1/completions server")
+    bench.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
+    bench.add_argument("--model", default="smollm2-135m-instruct")
+    bench.add_argument("--concurrency", type=int, default=8)
+    bench.add_argument("--requests", type=int, default=32)
+    bench.add_argument("--prompt-tokens", type=int, default=128)
+    bench.add_argument("--output-tokens", type=int, default=128)
+    bench.add_argument("--api-key")
+    bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     return parser
 
 
@@ -121,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
         serve(args)
     elif args.command == "complete":
         complete(args)
+    elif args.command == "bench":
+        from waferscale.bench import main as bench_main
+
+        bench_main(args)
 
 
 def _load(args):
