@@ -13,7 +13,7 @@ import torch
 from conftest import MODEL, Server
 
 from waferscale.engine import LLMEngine, SamplingParams
-from waferscale.engine.kv_cache import SequenceKVCache
+from waferscale.engine.kv_cache import KVPool, prefill_batch
 from waferscale.models import ModelLoadError, load_model
 
 
@@ -29,10 +29,9 @@ def greedy(loaded, ids: list[int], n: int) -> list[int]:
 
 def our_logits(loaded, ids: list[int]) -> torch.Tensor:
     cfg = loaded.config
-    kv = SequenceKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, loaded.max_model_len)
-    kv.begin(len(ids))
-    hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), kv)
-    kv.commit()
+    blocks = len(ids) // 16 + 2
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, blocks, 16)
+    hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), prefill_batch(pool, len(ids)))
     return loaded.model.logits(hidden)
 
 

@@ -1,4 +1,4 @@
-"""Key/value storage and attention over it: a paged pool shared by a batch, and a simple per-sequence cache."""
+"""Key/value storage in blocks shared by the whole batch, and attention over it."""
 
 from __future__ import annotations
 
@@ -6,65 +6,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
-
-class SequenceKVCache:
-    """Keys and values of one sequence, [layers, 2, kv_heads, capacity, head_dim], grown by doubling."""
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_len: int):
-        self.shape = (num_layers, 2, num_kv_heads)
-        self.head_dim, self.dtype, self.max_len = head_dim, dtype, max_len
-        self.kv = torch.empty(0)
-        self.length = 0  # tokens whose keys/values are stored
-        self._start = self._count = 0
-
-    def begin(self, count: int) -> None:
-        """Make room for `count` new tokens written by the next forward."""
-        need = self.length + count
-        if need > self.kv.shape[3] if self.kv.dim() == 5 else True:
-            cap = min(self.max_len, max(64, 1 << (need - 1).bit_length()))
-            grown = torch.empty(*self.shape, max(cap, need), self.head_dim, dtype=self.dtype)
-            if self.length:
-                grown[:, :, :, : self.length] = self.kv[:, :, :, : self.length]
-            self.kv = grown
-        self._start, self._count = self.length, count
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Store this forward's k/v ([T, kv_heads, head_dim]); return all keys/values and the attention mask."""
-        s, t = self._start, k.shape[0]
-        end = s + t
-        self.kv[layer, 0, :, s:end] = k.transpose(0, 1)
-        self.kv[layer, 1, :, s:end] = v.transpose(0, 1)
-        keys, values = self.kv[layer, 0, :, :end], self.kv[layer, 1, :, :end]
-        if t == 1:
-            return keys, values, None, False
-        if s == 0:
-            return keys, values, None, True
-        q_pos = torch.arange(s, end).unsqueeze(1)
-        mask = torch.arange(end).unsqueeze(0) <= q_pos
-        return keys, values, mask, False
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """Store k/v, then attend q ([T, heads, head_dim]) over everything stored; returns [T, heads, head_dim]."""
-        keys, values, mask, causal = self.update(layer, k, v)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-        return out.squeeze(0).transpose(0, 1)
-
-    def commit(self) -> None:
-        self.length = self._start + self._count
-
-    def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
 
 
 class KVPool:
@@ -144,3 +85,9 @@ class PagedBatch:
             )
             out[start_row:end_row] = o.squeeze(0).transpose(0, 1)
         return out
+
+
+def prefill_batch(pool: KVPool, num_tokens: int) -> PagedBatch:
+    """The plan for one sequence's whole prompt in blocks 1, 2, ... (for running the model on its own)."""
+    slots = torch.arange(num_tokens) + pool.block_size
+    return PagedBatch(pool, slots, prefills=[(0, num_tokens, slots, 0)])
