@@ -114,6 +114,12 @@ def http(server):
 
 
 @pytest.fixture
+def http_f32(server_f32):
+    with httpx.Client(base_url=server_f32.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture
 def cerebras(server):
     from cerebras.cloud.sdk import Cerebras
 

@@ -123,7 +123,8 @@ def test_echo_prepends_prompt_and_scores_its_tokens(http):
     assert "".join(lp["tokens"]) == text(out)
 
 
-def test_prompt_forms_and_prompt_major_indexes(http, hf_tokenizer):
+def test_prompt_forms_and_prompt_major_indexes(http_f32, hf_tokenizer):
+    http = http_f32  # float32: batched and single-sequence outputs are then bit-for-bit comparable
     ids = complete(http, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)["choices"][0]["logprobs"][
         "tokens"
     ]

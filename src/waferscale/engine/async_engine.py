@@ -80,8 +80,16 @@ class AsyncEngine:
                 self._dispatch(events)
 
     def _dispatch(self, events: list[GenerationEvent]) -> None:
+        """Hand a step's events to their streams with one wake-up per event loop (not one per event)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerationEvent]]] = {}
         for event in events:
             target = self._streams.get(event.request_id)
             if target is not None:
-                loop, queue = target
-                loop.call_soon_threadsafe(queue.put_nowait, event)
+                by_loop.setdefault(target[0], []).append((target[1], event))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, GenerationEvent]]) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)

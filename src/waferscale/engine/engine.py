@@ -21,6 +21,7 @@ from waferscale.engine.kv_cache import KVPool, PagedBatch
 from waferscale.engine.outputs import GenerationEvent, TokenLogprob
 from waferscale.engine.params import SamplingParams
 from waferscale.engine.sequence import Sequence
+from waferscale.models.llama import cpu_has_native_bf16
 from waferscale.models.loader import LoadedModel
 
 log = logging.getLogger("waferscale.engine")
@@ -44,14 +45,14 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.eos_ids = [i for i in loaded.tokenizer.eos_token_ids if i < loaded.config.vocab_size]
         cfg = loaded.config
+        # attention runs in float32 where the CPU only emulates bf16/fp16 (several times faster there)
+        kv_dtype = loaded.dtype if cpu_has_native_bf16() else torch.float32
         per_block = KVPool.bytes_per_block(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, block_size
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, block_size
         )
         num_blocks = max(2, kv_cache_bytes // per_block)
         self.block_size = block_size
-        self.pool = KVPool(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, num_blocks, block_size
-        )
+        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, 1)

@@ -55,9 +55,11 @@ class PagedBatch:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
-        kc[self.slots] = k
-        vc[self.slots] = v
+        kc[self.slots] = k.to(kc.dtype)
+        vc[self.slots] = v.to(vc.dtype)
         gqa = q.shape[1] != k.shape[1]
+        out_dtype = q.dtype
+        q = q.to(kc.dtype)  # attention runs in the pool's dtype
         out = torch.empty_like(q)
         b = self.num_decode
         if b:
@@ -84,7 +86,7 @@ class PagedBatch:
                 enable_gqa=gqa,
             )
             out[start_row:end_row] = o.squeeze(0).transpose(0, 1)
-        return out
+        return out.to(out_dtype)
 
 
 def prefill_batch(pool: KVPool, num_tokens: int) -> PagedBatch:

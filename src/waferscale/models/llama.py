@@ -10,25 +10,66 @@ from torch import nn
 
 from waferscale.models.config import ModelConfig
 
-_UPCAST_ROWS = 64
+_UPCAST_ROWS = 64  # without float32 copies, batches this large are still worth upcasting on the fly
+_F32_COPY_ROWS = 4  # with float32 copies, batches from this size use them
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 GEMMs are emulated."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return True  # unknown platform: trust the library
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), with uninitialised storage: the checkpoint fills it."""
+    """y = x W^T (+ b), with uninitialised storage: the checkpoint fills it.
+
+    On CPUs that emulate bf16/fp16, batched rows run against a float32 copy of the weights (`weight_f32`, made by
+    `LlamaForCausalLM.add_float32_copies`): those GEMMs are several times faster in float32, while single rows (one
+    decoding sequence) stay in the compact dtype, where reading fewer bytes wins.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight_f32: torch.Tensor | None = None
+        self.bias_f32: torch.Tensor | None = None
+        self.packed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 and x.shape[0] >= _UPCAST_ROWS:
-            # CPUs without native bf16/fp16 matmul run these GEMMs several times faster in float32 (and the
-            # float32 accumulation is at least as exact); small batches stay in the weights' dtype, where
-            # reading fewer bytes wins.
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        if x.dtype != torch.float32:
+            rows = x.shape[0]
+            if self.weight_f32 is not None and rows >= _F32_COPY_ROWS:
+                return self.forward_f32(x.float()).to(x.dtype)
+            if rows >= _UPCAST_ROWS:
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+    def make_f32_copy(self) -> int:
+        """Build the float32 copy (packed for oneDNN where available); returns its size in bytes."""
+        w = self.weight.detach().float().contiguous()
+        self.bias_f32 = None if self.bias is None else self.bias.detach().float()
+        self.packed = False
+        if torch.backends.mkldnn.is_available():
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+                probe = torch.zeros(4, w.shape[1])
+                torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias_f32, "none", [], "")
+                w, self.packed = packed, True
+            except (RuntimeError, AttributeError):  # an older or different build: plain float32 GEMMs
+                pass
+        self.weight_f32 = w
+        return w.numel() * 4
+
+    def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """x (float32) through the float32 copy: oneDNN's packed GEMM is the fastest float32 path on CPU."""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight_f32, self.bias_f32, "none", [], "")
+        return F.linear(x, self.weight_f32, self.bias_f32)
 
 
 class Embedding(nn.Module):
@@ -169,9 +210,20 @@ class LlamaForCausalLM(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
+    def add_float32_copies(self) -> int:
+        """Give every projection a float32 copy for batched rows; returns the bytes added (0 when not useful)."""
+        if self.lm_head.weight.dtype == torch.float32 or cpu_has_native_bf16():
+            return 0
+        return sum(
+            m.make_f32_copy() for m in self.modules() if isinstance(m, Linear) and m.weight_f32 is None
+        )
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        head = self.lm_head
+        if hidden.shape[0] >= _F32_COPY_ROWS and head.weight_f32 is not None:
+            return head.forward_f32(hidden.float())
+        return head(hidden).float()
 
     def load_hf_state(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         """Take weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""

@@ -128,9 +128,28 @@ def _load_folder(
     model = LlamaForCausalLM(cfg, context, dtype)
     model.load_hf_state(tensors, dtype)
     model.eval()
+    if dtype != torch.float32 and _f32_copy_bytes(cfg) < _available_memory() // 4:
+        model.add_float32_copies()
     ident = json.dumps([__version__, cfg.to_dict(), str(dtype), context], sort_keys=True, default=str)
     fingerprint = "fp_" + hashlib.sha256(ident.encode()).hexdigest()[:20]
     return LoadedModel(model, tokenizer, cfg, name, str(src), dtype, context, fingerprint)
+
+
+def _f32_copy_bytes(cfg: ModelConfig) -> int:
+    per_layer = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_layer += cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    return 4 * (cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size)
+
+
+def _available_memory() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (0 where unknown, which turns the float32 copies off)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 # ---------------------------------------------------------------- GGUF
