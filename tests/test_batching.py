@@ -146,3 +146,48 @@ def test_bench_command_prints_and_writes_figures(server, tmp_path):
     assert figures["errors"] == 0 and figures["requests"] == 4
     assert figures["output_tok_s"] > 0 and figures["ttft_p99_ms"] >= figures["ttft_p50_ms"] > 0
     assert figures["wall_s"] * figures["output_tok_s"] == pytest.approx(4 * 8)
+
+
+def test_metrics_expose_latency_histograms(http, server):
+    before = metrics(server.url)
+    complete(http, prompt=PROMPTS[0], max_tokens=5, min_tokens=5)
+    after = metrics(server.url)
+    ttft, itl = "waferscale_time_to_first_token_seconds_count", "waferscale_inter_token_latency_seconds_count"
+    assert after[ttft] == before[ttft] + 1
+    assert after[itl] == before[itl] + 4
+    assert after['waferscale_time_to_first_token_seconds_bucket{le="+Inf"}'] == after[ttft]
+
+
+def test_health_answers_fast_while_32_streams_decode(server):
+    import threading
+
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 64, "min_tokens": 64, "stream": True}
+    stop = threading.Event()
+
+    def stream():
+        with httpx.Client(base_url=server.url, timeout=300) as client:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        break
+
+    threads = [threading.Thread(target=stream) for _ in range(32)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.time() + 20
+        while metrics(server.url)["waferscale_running"] < 32 and time.time() < deadline:
+            time.sleep(0.2)
+        assert metrics(server.url)["waferscale_running"] >= 16
+        latencies = []
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            for _ in range(10):
+                t0 = time.perf_counter()
+                assert client.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+        assert sorted(latencies)[len(latencies) // 2] < 0.05, latencies
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)

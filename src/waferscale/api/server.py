@@ -69,6 +69,13 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         for key, value in stats.items():
             name = f"waferscale_{key}" + ("_total" if kinds.get(key) == "counter" else "")
             lines += [f"# TYPE {name} {kinds.get(key, 'gauge')}", f"{name} {value}"]
+        engine = ctx.engine.engine
+        lines += engine.ttft.render(
+            "waferscale_time_to_first_token_seconds", "arrival to first generated token"
+        )
+        lines += engine.itl.render(
+            "waferscale_inter_token_latency_seconds", "time between tokens of a sequence"
+        )
         return "\n".join(lines) + "\n"
 
     def card(name: str) -> ModelCard:

@@ -18,6 +18,7 @@ from waferscale.engine import sampler
 from waferscale.engine.block_manager import BlockManager
 from waferscale.engine.detokenizer import IncrementalDetokenizer
 from waferscale.engine.kv_cache import KVPool, PagedBatch
+from waferscale.engine.metrics import Histogram
 from waferscale.engine.outputs import GenerationEvent, TokenLogprob
 from waferscale.engine.params import SamplingParams
 from waferscale.engine.sequence import Sequence
@@ -60,6 +61,8 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.generated_tokens = 0
+        self.ttft = Histogram()  # arrival to first token
+        self.itl = Histogram()  # between consecutive tokens of a sequence
 
     # ------------------------------------------------------------------ interface
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -299,8 +302,13 @@ class LLMEngine:
         k = params.logprobs or 0
         lp, top = sampler.token_logprobs(logprobs, token, k)
         seq.cumulative_logprob += lp
+        now = time.perf_counter()
         if seq.first_token_at is None:
-            seq.first_token_at = time.perf_counter()
+            seq.first_token_at = now
+            self.ttft.observe(now - seq.arrival)
+        else:
+            self.itl.observe(now - seq.last_token_at)
+        seq.last_token_at = now
         index = seq.num_generated
         seq.num_generated += 1
         self.generated_tokens += 1

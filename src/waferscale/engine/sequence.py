@@ -38,6 +38,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     scheduled_at: float | None = None
     first_token_at: float | None = None
+    last_token_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
