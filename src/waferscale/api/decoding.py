@@ -30,13 +30,13 @@ def decode_body(
             f"unsupported content type {kind!r}; send one of: {', '.join(REQUEST_CONTENT_TYPES)}",
             code="unsupported_media_type",
         )
-    encoding = (content_encoding or "identity").strip().lower()
-    if encoding == "gzip":
-        body = _gunzip(body, max_bytes)
-    elif encoding not in ("identity", ""):
-        raise APIError(415, f"unsupported content encoding {encoding!r}; send gzip or none")
     if len(body) > max_bytes:
         raise APIError(413, f"request body is {len(body)} bytes; the limit is {max_bytes}")
+    encoding = (content_encoding or "identity").strip().lower()
+    if encoding == "gzip":
+        body = _gunzip(body, max_bytes)  # bounded: stops decompressing past max_bytes
+    elif encoding not in ("identity", ""):
+        raise APIError(415, f"unsupported content encoding {encoding!r}; send gzip or none")
     if not body:
         raise APIError(400, "request body is empty; send a CompletionRequest object")
     try:

@@ -124,8 +124,6 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise APIError(413, f"request body is {declared} bytes; the limit is {MAX_BODY_BYTES}")
         body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
         obj = decode_body(body, request.headers.get("content-type"), request.headers.get("content-encoding"))
         req = validate_request(obj)
         plan = plan_request(req, ctx)

@@ -375,7 +375,6 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
             finished=seq.finished,
             finish_reason=seq.finish_reason,
-            num_prompt_tokens=len(seq.prompt_ids),
             num_cached_tokens=seq.num_cached,
             num_generated_tokens=seq.num_generated,
             cumulative_logprob=seq.cumulative_logprob,

@@ -28,7 +28,6 @@ class GenerationEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
-    num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     cumulative_logprob: float = 0.0

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,8 +173,6 @@ def _converted_gguf(src: Path, dtype: str, progress: bool) -> Path:
     tokenizer.save(tmp)
     (tmp / "complete").write_text(str(src))
     if folder.exists():  # another process finished first
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         return folder
     tmp.rename(folder)
