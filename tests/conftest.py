@@ -107,6 +107,26 @@ def hf_reference():
     ).eval()
 
 
+@pytest.fixture(scope="session")
+def engine():
+    """An in-process float32 engine (64 MiB KV pool) for tests that look inside it."""
+    from waferscale.engine import LLMEngine
+    from waferscale.models import load_model
+
+    return LLMEngine(load_model(None, dtype="float32", progress=False), kv_cache_bytes=64 << 20)
+
+
+def run_to_end(engine) -> tuple[dict, dict]:
+    """Step the engine until idle; the text and the finished event of every request."""
+    texts, finished = {}, {}
+    while engine.has_work():
+        for ev in engine.step():
+            texts[ev.request_id] = texts.get(ev.request_id, "") + ev.text
+            if ev.finished:
+                finished[ev.request_id] = ev
+    return texts, finished
+
+
 @pytest.fixture
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as client:

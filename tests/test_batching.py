@@ -191,3 +191,20 @@ def test_health_answers_fast_while_32_streams_decode(server):
         stop.set()
         for t in threads:
             t.join(timeout=120)
+
+
+def test_choices_of_one_prompt_share_its_blocks(engine):
+    from conftest import run_to_end
+
+    from waferscale.engine import SamplingParams
+
+    ids = engine.tokenizer.encode("The history of the printing press " * 40)[:161]  # 10 full blocks + 1 token
+    for k in range(4):  # what n=4 submits: four sequences of one prompt, all in the same step
+        engine.add_request(f"c{k}", ids, SamplingParams(max_tokens=4, min_tokens=4, temperature=1.0, seed=k))
+    while any(s.num_generated == 0 for s in engine.running) or engine.waiting:
+        engine.step()
+    # ten shared prompt blocks plus one block of its own per choice, not 4 x 11
+    assert engine.blocks.num_used == 10 + 4
+    _, finished = run_to_end(engine)
+    assert sorted(ev.num_cached_tokens for ev in finished.values()) == [0, 160, 160, 160]
+    assert engine.blocks.num_used == 0

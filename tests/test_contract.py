@@ -210,8 +210,6 @@ def test_suffix_is_not_supported(http):
 def test_grammar_root_names(http):
     r = http.post("/v1/completions", json={**BODY, "grammar_root": "yaml"})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "grammar_root"]
-    r = http.post("/v1/completions", json={**BODY, "grammar_root": "object"})
-    assert r.status_code == 400 and "not supported yet" in r.json()["error"]["message"]
 
 
 def test_prompts_are_not_logged_by_default(http, server):

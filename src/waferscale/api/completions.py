@@ -17,6 +17,7 @@ from waferscale.api.errors import APIError, error_body
 from waferscale.api.schemas import CompletionRequest
 from waferscale.engine import AsyncEngine, GenerationEvent, SamplingParams, TokenLogprob
 from waferscale.engine.detokenizer import IncrementalDetokenizer
+from waferscale.engine.grammar import open_json_suffix
 from waferscale.models.tokenizer import ModelTokenizer
 
 log = logging.getLogger("waferscale.api")
@@ -74,10 +75,6 @@ def plan_request(req: CompletionRequest, ctx: ServingContext) -> Plan:
         )
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
-    if req.grammar_root is not None:
-        raise APIError(
-            400, "grammar_root is not supported yet (structured output is on the way)", param="grammar_root"
-        )
     echo, raw_tokens = bool(req.echo), bool(req.return_raw_tokens)
     if echo and raw_tokens:
         raise APIError(400, "echo is incompatible with return_raw_tokens", param="echo")
@@ -89,6 +86,15 @@ def plan_request(req: CompletionRequest, ctx: ServingContext) -> Plan:
     if best_of > n and req.stream:
         raise APIError(400, "best_of greater than n cannot be streamed", param="best_of")
     prompts = _prompts(req, ctx)
+    if req.grammar_root == "insidevalue":
+        for p in prompts:
+            if open_json_suffix(p.text) is None:
+                raise APIError(
+                    400,
+                    "grammar_root 'insidevalue' continues a JSON object or array that the prompt opens and leaves "
+                    'unclosed; end the prompt inside one, for example with \'{"name": "Ada", \'',
+                    param="grammar_root",
+                )
     if len(prompts) * best_of > MAX_SEQUENCES:
         raise APIError(
             400,
@@ -131,6 +137,7 @@ def plan_request(req: CompletionRequest, ctx: ServingContext) -> Plan:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 presence_penalty=req.presence_penalty or 0.0,
                 logit_bias=logit_bias,
+                grammar=req.grammar_root,
             )
         )
     return Plan(req, prompts, params, n, best_of, req.logprobs, echo, raw_tokens)

@@ -41,18 +41,20 @@ class BlockManager:
             out.append(h)
         return out
 
-    def match(self, hashes: list[int]) -> list[int]:
-        """Blocks holding the longest cached prefix of these block hashes."""
+    def match(self, hashes: list[int], count: bool = True) -> list[int]:
+        """Blocks holding the longest cached prefix of these block hashes (`count`: in the hit-rate counters)."""
         found: list[int] = []
         if not self.enable_prefix_cache:
             return found
-        self.queries += len(hashes)
+        if count:
+            self.queries += len(hashes)
         for h in hashes:
             b = self.by_hash.get(h)
             if b is None:
                 break
             found.append(b)
-        self.hits += len(found)
+        if count:
+            self.hits += len(found)
         return found
 
     def can_allocate(self, new_blocks: int, reused: list[int]) -> bool:

@@ -17,6 +17,7 @@ import torch
 from waferscale.engine import sampler
 from waferscale.engine.block_manager import BlockManager
 from waferscale.engine.detokenizer import IncrementalDetokenizer
+from waferscale.engine.grammar import CALL_ROOTS, GrammarError, GrammarMasks, is_function_call
 from waferscale.engine.kv_cache import KVPool, PagedBatch
 from waferscale.engine.metrics import Histogram
 from waferscale.engine.outputs import GenerationEvent, TokenLogprob
@@ -63,6 +64,8 @@ class LLMEngine:
         self.generated_tokens = 0
         self.ttft = Histogram()  # arrival to first token
         self.itl = Histogram()  # between consecutive tokens of a sequence
+        self.grammars = GrammarMasks(loaded.tokenizer.tokenizer.to_str(), cfg.vocab_size, self.eos_ids)
+        self._early_events: list[GenerationEvent] = []  # requests that ended before reaching the scheduler
 
     # ------------------------------------------------------------------ interface
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -77,6 +80,12 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
             generator=generator,
         )
+        if params.grammar is not None:
+            try:
+                seq.matcher = self.grammars.matcher(params.grammar, self.tokenizer.decode(prompt_ids))
+            except GrammarError as exc:
+                self._early_events.append(GenerationEvent(request_id, finished=True, error=str(exc)))
+                return
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> None:
@@ -102,11 +111,11 @@ class LLMEngine:
         }
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self._early_events)
 
     def step(self) -> list[GenerationEvent]:
         """Schedule, run one batched forward, sample; return the events produced."""
-        events: list[GenerationEvent] = []
+        events, self._early_events = self._early_events, []
         decodes, prefills = self._schedule(events)
         if decodes or prefills:
             try:
@@ -138,18 +147,42 @@ class LLMEngine:
             chunk = min(seq.remaining, budget)
             prefills.append((seq, chunk))
             budget -= chunk
+        in_flight = self._prefix_hashes_in_flight()
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._shares_prefix_in_flight(seq, in_flight):
+                deferred.append(self.waiting.popleft())  # admitted once those blocks are cached
+                continue
             if not self._admit(seq, events):
                 break
             self.waiting.popleft()
             if seq.finished:
                 continue
+            in_flight.update(seq.prompt_hashes[len(seq.block_hashes) :])
             self.running.append(seq)
             chunk = min(seq.remaining, budget)
             prefills.append((seq, chunk))
             budget -= chunk
+        self.waiting.extendleft(reversed(deferred))
         return decodes, prefills
+
+    def _prefix_hashes_in_flight(self) -> set[int]:
+        """Hashes of full prompt blocks that running sequences are still prefilling."""
+        if not self.blocks.enable_prefix_cache:
+            return set()
+        return {h for s in self.running for h in s.prompt_hashes[len(s.block_hashes) :]}
+
+    def _shares_prefix_in_flight(self, seq: Sequence, in_flight: set[int]) -> bool:
+        """Whether seq's next uncached prompt block is being computed right now by another sequence (the other
+        choices of an `n`/`best_of` request, or a concurrent request with the same prompt): better to wait a step
+        or two and take it from the cache than to compute it twice."""
+        if not in_flight or seq.params.prompt_logprobs:
+            return False
+        if seq.prompt_hashes is None:
+            seq.prompt_hashes = self.blocks.block_hashes(seq.token_ids[:-1])
+        cached = len(self.blocks.match(seq.prompt_hashes, count=False))
+        return cached < len(seq.prompt_hashes) and seq.prompt_hashes[cached] in in_flight
 
     def _admit(self, seq: Sequence, events: list[GenerationEvent]) -> bool:
         """Give a waiting sequence its blocks (reusing cached prefix blocks); False if the pool cannot yet."""
@@ -168,6 +201,7 @@ class LLMEngine:
             return True
         # the last token is always computed (its logits are needed), so only blocks before it may come from cache
         hashes = self.blocks.block_hashes(tokens[:-1])
+        seq.prompt_hashes = hashes
         reused = [] if seq.params.prompt_logprobs else self.blocks.match(hashes)
         if not self.blocks.can_allocate(needed - len(reused), reused):
             if not self.running:
@@ -225,17 +259,21 @@ class LLMEngine:
             positions.append(p)
         batch = PagedBatch(self.pool, torch.empty(0, dtype=torch.long))
         if decodes:
-            lengths = [len(s.token_ids) for s in decodes]
-            longest = max(lengths)
-            ctx = torch.zeros(len(decodes), longest, dtype=torch.long)
+            lengths = torch.tensor([len(s.token_ids) for s in decodes])
+            width = max(len(s.block_table) for s in decodes)
+            tables = torch.zeros(len(decodes), width, dtype=torch.long)
             for i, seq in enumerate(decodes):
-                ctx[i, : lengths[i]] = self._slots(seq, 0, lengths[i])
+                tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table)
             batch.num_decode = len(decodes)
-            batch.decode_ctx = ctx
-            batch.decode_mask = (torch.arange(longest).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1))[
+            batch.decode_tables = tables
+            batch.decode_mask = (torch.arange(width * self.block_size).unsqueeze(0) < lengths.unsqueeze(1))[
                 :, None, None
             ]
-            slots.append(ctx[torch.arange(len(decodes)), torch.tensor(lengths) - 1])
+            last = lengths - 1
+            slots.append(
+                tables[torch.arange(len(decodes)), last // self.block_size] * self.block_size
+                + last % self.block_size
+            )
         row = len(decodes)
         sample_rows: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(decodes)]
         score_rows: list[
@@ -247,7 +285,8 @@ class LLMEngine:
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.append(self._slots(seq, start, end))
-            batch.prefills.append((row, row + chunk, self._slots(seq, 0, end), start))
+            table = torch.tensor(seq.block_table[: -(-end // self.block_size)])
+            batch.prefills.append((row, row + chunk, table, start, end))
             if seq.params.prompt_logprobs and not seq.prompt_logprobs_sent:
                 score_rows.append((seq, row, start, chunk))
             if end == len(seq.token_ids):
@@ -266,17 +305,7 @@ class LLMEngine:
         events = []
         if sample_rows:
             logits = self.model.logits(hidden[[r for _, r in sample_rows]])
-            for i, (seq, _) in enumerate(sample_rows):
-                try:
-                    if seq.params.max_tokens == 0:
-                        seq.finish_reason = "length"
-                    else:
-                        self._sample(seq, logits[i])
-                except Exception as exc:  # one sequence's failure ends that sequence only
-                    log.exception("sampling failed for %s", seq.request_id)
-                    events.append(self._fail(seq, exc))
-                    continue
-                events.append(self._event(seq))
+            events += self._sample([seq for seq, _ in sample_rows], logits)
         return events
 
     def _register_full_blocks(self, seq: Sequence) -> None:
@@ -290,17 +319,92 @@ class LLMEngine:
             seq.block_hashes += new
 
     # ------------------------------------------------------------------ sampling and events
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _grammar_masks(self, seqs: list[Sequence], events: list[GenerationEvent]) -> dict[int, torch.Tensor]:
+        """Allowed-token rows of the grammar-constrained sequences (one batched call; the others pay nothing)."""
+        constrained = [s for s in seqs if s.matcher is not None and s.params.max_tokens > 0]
+        if not constrained:
+            return {}
+        try:
+            rows = self.grammars.fill([s.matcher for s in constrained])
+        except Exception:  # find the failing matchers; the rest of the batch goes on
+            rows = []
+            for seq in constrained:
+                try:
+                    rows.append(self.grammars.fill([seq.matcher])[0])
+                except Exception as exc:
+                    log.warning("grammar mask failed for %s: %s", seq.request_id, exc)
+                    events.append(self._fail(seq, exc))
+                    rows.append(None)
+        return {id(s): r for s, r in zip(constrained, rows) if r is not None}
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[GenerationEvent]:
+        """Sample the next token of every sequence from its row of `logits`, in one batched draw.
+
+        A failure in one sequence's controls, grammar or logits ends that sequence only.
+        """
+        events: list[GenerationEvent] = []
+        allowed = self._grammar_masks(seqs, events)
+        bad_rows = logits.sum(-1).isnan().tolist()  # a NaN anywhere makes the row's sum NaN
+        work = logits
+        rows: list[int] = []
+        for i, seq in enumerate(seqs):
+            params = seq.params
+            if seq.finished:  # its grammar failed
+                continue
+            if params.max_tokens == 0:  # echo-only request: prompt scored, nothing to sample
+                seq.finish_reason = "length"
+                events.append(self._event(seq))
+                continue
+            try:
+                if params.fail_after is not None and seq.num_generated >= params.fail_after:
+                    raise RuntimeError("injected fault")
+                if bad_rows[i]:
+                    raise FloatingPointError("the model produced NaN logits")
+                mask = allowed.get(id(seq))
+                if mask is not None or sampler.needs_controls(params, seq.output_counts, seq.num_generated):
+                    if work is logits:
+                        work = logits.clone()
+                    sampler.apply_controls(
+                        work[i], params, seq.output_counts, self.eos_ids, seq.num_generated
+                    )
+                    if mask is not None:
+                        masked = work[i].masked_fill(~mask, float("-inf"))
+                        # min_tokens or logit_bias left nothing the grammar allows: the grammar wins
+                        if not torch.isfinite(masked).any():
+                            masked = logits[i].masked_fill(~mask, float("-inf"))
+                        if not torch.isfinite(masked).any():
+                            raise GrammarError("the grammar allows no token here")
+                        work[i] = masked
+            except Exception as exc:
+                log.warning("sampling failed for %s: %s", seq.request_id, exc)
+                events.append(self._fail(seq, exc))
+                continue
+            rows.append(i)
+        if not rows:
+            return events
+        picked = [seqs[i] for i in rows]
+        if len(rows) < len(seqs):
+            work, logits = work[rows], logits[rows]
+        tokens = sampler.draw(work, [s.params for s in picked], [s.generator for s in picked])
+        logprobs = torch.log_softmax(logits, -1)  # of the model's own distribution (see docs/api.md)
+        chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+        k_max = max(s.params.logprobs or 0 for s in picked)
+        top_v, top_i = torch.topk(logprobs, k_max) if k_max else (None, None)
+        for j, (seq, token) in enumerate(zip(picked, tokens)):
+            try:
+                k = seq.params.logprobs or 0
+                top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist())) if k else []
+                self._accept(seq, token, chosen[j], top)
+            except Exception as exc:
+                log.warning("sampling failed for %s: %s", seq.request_id, exc)
+                events.append(self._fail(seq, exc))
+                continue
+            events.append(self._event(seq))
+        return events
+
+    def _accept(self, seq: Sequence, token: int, lp: float, top: list[tuple[int, float]]) -> None:
+        """Append a sampled token: logprobs, stop strings, grammar progress, finish conditions and latencies."""
         params = seq.params
-        if params.fail_after is not None and seq.num_generated >= params.fail_after:
-            raise RuntimeError("injected fault")
-        controlled = sampler.apply_controls(
-            logits, params, seq.output_counts, self.eos_ids, seq.num_generated
-        )
-        token = sampler.draw(controlled, params, seq.generator)
-        logprobs = torch.log_softmax(logits, -1)
-        k = params.logprobs or 0
-        lp, top = sampler.token_logprobs(logprobs, token, k)
         seq.cumulative_logprob += lp
         now = time.perf_counter()
         if seq.first_token_at is None:
@@ -314,8 +418,10 @@ class LLMEngine:
         self.generated_tokens += 1
         seq.token_ids.append(token)
         if token in self.eos_ids:
-            seq.finish_reason = "stop"
+            seq.finish_reason = self._stop_reason(seq)
             return
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            raise GrammarError(seq.matcher.get_error())
         seq.output_ids.append(token)
         seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
         if params.logprobs is not None:
@@ -324,7 +430,7 @@ class LLMEngine:
                     token_id=token,
                     text=self.tokenizer.token_text(token),
                     logprob=lp,
-                    top=[(self.tokenizer.token_text(i), v) for i, v in top] if k else None,
+                    top=[(self.tokenizer.token_text(i), v) for i, v in top] if params.logprobs else None,
                     offset=len(seq.detokenizer.text),
                 )
             )
@@ -334,8 +440,16 @@ class LLMEngine:
         elif seq.detokenizer.add(token) is not None:
             seq.finish_reason = "stop"
             return
-        if seq.num_generated >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar's document is complete
+            seq.finish_reason = self._stop_reason(seq)
+        elif seq.num_generated >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
+
+    def _stop_reason(self, seq: Sequence) -> str:
+        """'tool_calls' when a call-capable grammar ended on a function call, else 'stop'."""
+        if seq.params.grammar in CALL_ROOTS and is_function_call(seq.detokenizer.text):
+            return "tool_calls"
+        return "stop"
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor, first_pos: int) -> None:
         """Logprob of each prompt token given the ones before it (the first has none)."""
@@ -358,9 +472,8 @@ class LLMEngine:
     def _fail(self, seq: Sequence, exc: Exception) -> GenerationEvent:
         seq.finish_reason = "error"
         self._free(seq)
-        return GenerationEvent(
-            seq.request_id, finished=True, error=f"generation failed: {type(exc).__name__}"
-        )
+        reason = f"grammar: {exc}" if isinstance(exc, GrammarError) else type(exc).__name__
+        return GenerationEvent(seq.request_id, finished=True, error=f"generation failed: {reason}")
 
     def _event(self, seq: Sequence) -> GenerationEvent:
         text, first, last = seq.detokenizer.release(seq.finished)

@@ -41,41 +41,52 @@ class KVPool:
 
 @dataclass
 class PagedBatch:
-    """One forward's attention plan: the first `num_decode` rows are single-token decodes attending over
-    `decode_ctx` slots; then prefill chunks, each (row_start, row_end, context slots, start position)."""
+    """One forward's attention plan. The first `num_decode` rows are single-token decodes: row i attends over the
+    blocks `decode_tables[i]` (padded with the zero block 0), masked by `decode_mask`. Then prefill chunks, each
+    (row_start, row_end, block table, start position, context length)."""
 
     pool: KVPool
-    slots: torch.Tensor
+    slots: torch.Tensor  # where each row's new key/value is written
     num_decode: int = 0
-    decode_ctx: torch.Tensor | None = None
+    decode_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
-    prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
+    prefills: list[tuple[int, int, torch.Tensor, int, int]] = field(default_factory=list)
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        kc, vc = self.pool.k[layer], self.pool.v[layer]
-        kc[self.slots] = k.to(kc.dtype)
-        vc[self.slots] = v.to(vc.dtype)
+        pool = self.pool
+        kc, vc = pool.k[layer], pool.v[layer]
+        kc.index_copy_(0, self.slots, k.to(kc.dtype))
+        vc.index_copy_(0, self.slots, v.to(vc.dtype))
+        # whole blocks are gathered with index_select (contiguous rows): an order of magnitude faster than
+        # advanced indexing, which copies element by element
+        kb = kc.view(-1, pool.block_size * kc.shape[1] * kc.shape[2])
+        vb = vc.view(-1, pool.block_size * vc.shape[1] * vc.shape[2])
+        heads, dim = kc.shape[1], kc.shape[2]
         gqa = q.shape[1] != k.shape[1]
         out_dtype = q.dtype
         q = q.to(kc.dtype)  # attention runs in the pool's dtype
         out = torch.empty_like(q)
         b = self.num_decode
         if b:
-            keys = kc[self.decode_ctx].transpose(1, 2)  # [B, kv_heads, L, head_dim]
-            values = vc[self.decode_ctx].transpose(1, 2)
+            tables = self.decode_tables
+            shape = (b, -1, heads, dim)
+            keys = (
+                kb.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
+            )  # [B, kv_heads, L, head_dim]
+            values = vb.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q[:b].unsqueeze(2), keys, values, attn_mask=self.decode_mask, scale=scale, enable_gqa=gqa
             )
             out[:b] = o.squeeze(2)
-        for start_row, end_row, ctx, start_pos in self.prefills:
-            keys = kc[ctx].transpose(0, 1).unsqueeze(0)
-            values = vc[ctx].transpose(0, 1).unsqueeze(0)
+        for start_row, end_row, table, start_pos, length in self.prefills:
+            keys = kb.index_select(0, table).view(-1, heads, dim)[:length].transpose(0, 1).unsqueeze(0)
+            values = vb.index_select(0, table).view(-1, heads, dim)[:length].transpose(0, 1).unsqueeze(0)
             mask = None
             if start_pos:
                 rows = torch.arange(start_pos, start_pos + end_row - start_row).unsqueeze(1)
-                mask = torch.arange(ctx.shape[0]).unsqueeze(0) <= rows
+                mask = torch.arange(length).unsqueeze(0) <= rows
             o = F.scaled_dot_product_attention(
                 q[start_row:end_row].transpose(0, 1).unsqueeze(0),
                 keys,
@@ -92,4 +103,5 @@ class PagedBatch:
 def prefill_batch(pool: KVPool, num_tokens: int) -> PagedBatch:
     """The plan for one sequence's whole prompt in blocks 1, 2, ... (for running the model on its own)."""
     slots = torch.arange(num_tokens) + pool.block_size
-    return PagedBatch(pool, slots, prefills=[(0, num_tokens, slots, 0)])
+    table = torch.arange(1, 1 + -(-num_tokens // pool.block_size))
+    return PagedBatch(pool, slots, prefills=[(0, num_tokens, table, 0, num_tokens)])

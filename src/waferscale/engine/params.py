@@ -18,6 +18,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: str | None = None  # a grammar_root name: constrain the output to that built-in grammar
     fail_after: int | None = None  # fault injection for tests: raise after this many generated tokens
 
     @property

@@ -1,4 +1,8 @@
-"""Turn one row of logits into the next token: penalties, bias, min_tokens, temperature, top_p, seeded draw."""
+"""Turn rows of logits into next tokens: penalties, bias, min_tokens, temperature, top_p, seeded draws.
+
+Controls are per row (most rows have none); the draw runs over the whole batch at once, and each seeded row takes
+exactly one uniform number from its own generator per token, so its output does not depend on the batch.
+"""
 
 from __future__ import annotations
 
@@ -8,41 +12,66 @@ from waferscale.engine.params import SamplingParams
 
 
 def apply_controls(
-    logits: torch.Tensor,
+    row: torch.Tensor,
     params: SamplingParams,
     output_counts: dict[int, int],
     eos_ids: list[int],
     num_generated: int,
-) -> torch.Tensor:
-    """Logits after frequency/presence penalties, logit_bias and the min_tokens EOS mask (a new tensor)."""
-    out = logits.clone()
+) -> None:
+    """Frequency/presence penalties, logit_bias and the min_tokens EOS mask, applied to one row in place."""
     if output_counts and (params.frequency_penalty or params.presence_penalty):
         ids = torch.tensor(list(output_counts.keys()))
-        counts = torch.tensor(list(output_counts.values()), dtype=out.dtype)
-        out[ids] -= counts * params.frequency_penalty + params.presence_penalty
+        counts = torch.tensor(list(output_counts.values()), dtype=row.dtype)
+        row[ids] -= counts * params.frequency_penalty + params.presence_penalty
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias.keys()))
-        out[ids] += torch.tensor(list(params.logit_bias.values()), dtype=out.dtype)
+        row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype)
     if num_generated < params.min_tokens and eos_ids:
-        out[eos_ids] = float("-inf")
-    return out
+        row[eos_ids] = float("-inf")
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0; otherwise temperature, nucleus (top_p) filter and a draw from `generator`."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    scaled = logits / params.temperature
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True, stable=True)
+def needs_controls(params: SamplingParams, output_counts: dict[int, int], num_generated: int) -> bool:
+    return bool(
+        (output_counts and (params.frequency_penalty or params.presence_penalty))
+        or params.logit_bias
+        or num_generated < params.min_tokens
+    )
+
+
+def draw(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """One token per row: argmax for greedy rows (ties to the lowest id); otherwise temperature, nucleus (top_p)
+    filter and an inverse-CDF draw with one uniform number from the row's generator."""
+    tokens = [0] * logits.shape[0]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        for i, t in zip(greedy, torch.argmax(logits[greedy], -1).tolist()):
+            tokens[i] = t
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return tokens
+    temps = torch.tensor([params[i].temperature for i in sampled], dtype=logits.dtype)
+    scaled = (logits if len(sampled) == len(params) else logits[sampled]) / temps[:, None]
+    nucleus = [j for j, i in enumerate(sampled) if params[i].top_p < 1.0]
+    if nucleus:
+        top_p = torch.tensor([params[sampled[j]].top_p for j in nucleus], dtype=logits.dtype)
+        sorted_logits, order = torch.sort(scaled[nucleus], dim=-1, descending=True, stable=True)
         probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (the first token always stays)
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        drop[0] = False
+        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        drop[:, 0] = False
         sorted_logits[drop] = float("-inf")
-        scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
-    probs = scaled.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        scaled[nucleus] = torch.full_like(sorted_logits, float("-inf")).scatter(1, order, sorted_logits)
+    cdf = scaled.softmax(-1).cumsum(-1)
+    u = torch.tensor(
+        [float(torch.rand(1, generator=params_gen)) for params_gen in (generators[i] for i in sampled)],
+        dtype=cdf.dtype,
+    )
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).clamp_(max=cdf.shape[1] - 1)
+    for i, t in zip(sampled, picks.squeeze(1).tolist()):
+        tokens[i] = t
+    return tokens
 
 
 def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

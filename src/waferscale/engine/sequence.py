@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ class Sequence:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None
+    matcher: Any = None  # llguidance.LLMatcher of a grammar-constrained sequence
     token_ids: list[int] = field(
         default_factory=list
     )  # prompt + every sampled token (what the KV cache holds)
@@ -28,6 +30,9 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks computed so far
+    prompt_hashes: list[int] | None = (
+        None  # hashes of every full block before the last token (set at admission)
+    )
     num_computed: int = 0  # tokens whose keys/values are in the cache
     num_cached: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted_once: bool = False
