@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 
 import llguidance
-import llguidance.torch
 import torch
 
 # Rules shared by every root. Whitespace follows llama.cpp's json.gbnf (one space, or one newline and up to 20 spaces
@@ -185,9 +184,11 @@ class GrammarMasks:
 
     def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """Allowed-token masks, one bool row per matcher (vocab_size wide)."""
-        bits = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(m, i) for i, m in enumerate(matchers)], bits
+        # llguidance.torch would do this, but importing it runs torch.compile's imports (~6 s at start-up)
+        words = (self.vocab_size + 31) // 32
+        bits = torch.full((len(matchers), words), -1, dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], bits.data_ptr(), words * 4, len(matchers)
         )
         for m in matchers:
             if m.is_error():
