@@ -99,6 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--no-prefix-cache", action="store_true", help="do not reuse KV blocks of repeated prompt prefixes"
     )
+    serve.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="sequences that may wait for a batch slot; beyond it, requests get 429 with Retry-After (default 1024)",
+    )
+    serve.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a request still waiting for its first batch slot after this long gets 503 (default 600)",
+    )
     serve.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     serve.add_argument(
         "--enable-fault-injection",
@@ -173,6 +187,7 @@ def serve(args) -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_cache=not args.no_prefix_cache,
+        queue_timeout=args.queue_timeout,
     )
     ctx = ServingContext(
         engine=AsyncEngine(engine),
@@ -183,6 +198,7 @@ def serve(args) -> None:
         fingerprint=loaded.fingerprint,
         log_requests=args.log_requests,
         fault_injection=args.enable_fault_injection,
+        max_waiting=args.max_waiting,
     )
     app = create_app(ctx, keys)
     if not keys:

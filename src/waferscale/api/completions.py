@@ -38,6 +38,25 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
     log_requests: bool = False
     fault_injection: bool = False  # honour X-Waferscale-Fault-After (testing aid, off unless asked for)
+    max_waiting: int | None = None  # sequences allowed to wait for admission; beyond it, 429
+    rejected: int = 0  # requests turned away with 429
+
+
+def check_capacity(plan: Plan, ctx: ServingContext) -> None:
+    """429 with Retry-After when the waiting queue is full (a request that alone exceeds it waits for an empty
+    queue, so it is never refused forever)."""
+    if ctx.max_waiting is None:
+        return
+    waiting = ctx.engine.num_waiting()
+    new = len(plan.prompts) * plan.best_of
+    if waiting and waiting + new > ctx.max_waiting:
+        ctx.rejected += 1
+        raise APIError(
+            429,
+            f"the server is at capacity ({waiting} sequences waiting, limit {ctx.max_waiting}); retry shortly",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
 
 
 @dataclass
@@ -384,7 +403,9 @@ class CompletionRun:
                 t.cancel()
         failed = next((c for c in self.choices if c.error), None)
         if failed is not None:
-            raise APIError(500, failed.error or "generation failed")
+            raise APIError(
+                failed.last.error_status if failed.last else 500, failed.error or "generation failed"
+            )
         picked = self._pick_best()
         self._log_texts([c.text for _, c in picked])
         choices = [
@@ -444,7 +465,7 @@ class CompletionRun:
                 c = self.choices[k]
                 c.absorb(ev)
                 if ev.error:
-                    yield _sse(error_body(500, ev.error))
+                    yield _sse(error_body(ev.error_status, ev.error))
                     yield "data: [DONE]\n\n"
                     return
                 if ev.finished:

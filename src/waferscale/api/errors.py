@@ -26,9 +26,18 @@ _TYPES = {
 class APIError(Exception):
     """An error a client caused or should know about; rendered as an ErrorChunkResponse."""
 
-    def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status_code, self.message, self.param, self.code = status_code, message, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.status_code, self.message, param=self.param, code=self.code)
@@ -59,7 +68,7 @@ def validation_detail(errors) -> list[dict]:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return error_response(exc)
+        return error_response(exc, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):

@@ -12,7 +12,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from waferscale import __version__
 from waferscale.api.auth import BearerAuth
-from waferscale.api.completions import CompletionRun, ServingContext, plan_request, validate_request
+from waferscale.api.completions import (
+    CompletionRun,
+    ServingContext,
+    check_capacity,
+    plan_request,
+    validate_request,
+)
 from waferscale.api.decoding import MAX_BODY_BYTES, REQUEST_CONTENT_TYPES, decode_body
 from waferscale.api.errors import APIError, install_handlers
 from waferscale.api.schemas import (
@@ -58,10 +64,12 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
     @app.get("/metrics", tags=["Server"], response_class=PlainTextResponse)
     async def metrics() -> str:
         """Prometheus text format: engine queue, KV cache and prefix-cache counters."""
-        stats = ctx.engine.engine.stats()
+        stats = {**ctx.engine.engine.stats(), "rejected_requests": ctx.rejected}
         kinds = {
             "generated_tokens": "counter",
             "preemptions": "counter",
+            "queue_timeouts": "counter",
+            "rejected_requests": "counter",
             "prefix_cache_queries": "counter",
             "prefix_cache_hits": "counter",
         }
@@ -127,6 +135,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         obj = decode_body(body, request.headers.get("content-type"), request.headers.get("content-encoding"))
         req = validate_request(obj)
         plan = plan_request(req, ctx)
+        check_capacity(plan, ctx)
         trace = cf_ray or x_amz_cf_id
         if req.user or trace:
             log.info("completion request user=%s trace=%s", req.user, trace)

@@ -52,6 +52,10 @@ class AsyncEngine:
             if not finished:
                 self._submit(("abort", request_id))
 
+    def num_waiting(self) -> int:
+        """Sequences not yet admitted: the engine's queue plus those still on their way to it."""
+        return len(self.engine.waiting) + sum(1 for c in self._commands if c[0] == "add")
+
     def _submit(self, command: tuple) -> None:
         with self._cv:
             self._commands.append(command)

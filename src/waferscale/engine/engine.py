@@ -40,6 +40,7 @@ class LLMEngine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         enable_prefix_cache: bool = True,
+        queue_timeout: float | None = None,
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -57,6 +58,8 @@ class LLMEngine:
         self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache)
         self.max_num_seqs = max_num_seqs
+        self.queue_timeout = queue_timeout  # seconds a request may wait for its first admission
+        self.num_timed_out = 0
         self.max_num_batched_tokens = max(max_num_batched_tokens, 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -108,6 +111,7 @@ class LLMEngine:
             "prefix_cache_hits": b.hits,
             "generated_tokens": self.generated_tokens,
             "preemptions": self.num_preemptions,
+            "queue_timeouts": self.num_timed_out,
         }
 
     def has_work(self) -> bool:
@@ -147,6 +151,7 @@ class LLMEngine:
             chunk = min(seq.remaining, budget)
             prefills.append((seq, chunk))
             budget -= chunk
+        self._expire_waiting(events)
         in_flight = self._prefix_hashes_in_flight()
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -166,6 +171,25 @@ class LLMEngine:
             budget -= chunk
         self.waiting.extendleft(reversed(deferred))
         return decodes, prefills
+
+    def _expire_waiting(self, events: list[GenerationEvent]) -> None:
+        """End the requests that have waited for admission longer than the queue timeout (503, never a hang)."""
+        if self.queue_timeout is None or not self.waiting:
+            return
+        now = time.perf_counter()
+        keep: deque[Sequence] = deque()
+        for seq in self.waiting:
+            if not seq.admitted_once and now - seq.arrival > self.queue_timeout:
+                seq.finish_reason = "error"
+                self.num_timed_out += 1
+                message = (
+                    f"the request waited {now - seq.arrival:.0f} s for a free slot (queue timeout "
+                    f"{self.queue_timeout:g} s); the server is overloaded, retry later"
+                )
+                events.append(GenerationEvent(seq.request_id, finished=True, error=message, error_status=503))
+            else:
+                keep.append(seq)
+        self.waiting = keep
 
     def _prefix_hashes_in_flight(self) -> set[int]:
         """Hashes of full prompt blocks that running sequences are still prefilling."""

@@ -28,6 +28,7 @@ class GenerationEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    error_status: int = 500  # 503 when the request waited longer than the queue timeout
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     cumulative_logprob: float = 0.0
