@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import signal
 import threading
 import time
 
@@ -109,3 +111,37 @@ def test_the_sdk_retries_succeed_once_load_drops(busy_server):
     running.close()
     waiter["thread"].join(60)
     assert waiter["r"].status_code == 200
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_shutdown_finishes_short_requests_and_ends_long_ones_with_an_error(sig):
+    server = Server("--shutdown-grace", "3")
+    try:
+        long_stream = Running(server, 4000)
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "min_tokens": 8}
+        short = in_thread(lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+        long_plain = in_thread(
+            lambda: httpx.post(
+                server.url + "/v1/completions",
+                json={**body, "max_tokens": 4000, "min_tokens": 4000},
+                timeout=60,
+            )
+        )
+        wait_for(lambda: metric(server, "waferscale_running") == 3)
+        server.proc.send_signal(sig)
+        lines = list(long_stream.lines)
+        short["thread"].join(30)
+        long_plain["thread"].join(30)
+        assert short["r"].status_code == 200  # finished within the grace period
+        assert (
+            long_plain["r"].status_code == 503
+            and "shutting down" in long_plain["r"].json()["error"]["message"]
+        )
+        errors = [json.loads(line[6:]) for line in lines if line.startswith("data: {") and '"error"' in line]
+        assert errors and errors[-1]["status_code"] == 503
+        assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
+        assert server.proc.wait(timeout=30) in (0, -sig)  # uvicorn re-raises the signal once drained
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(server.url + "/health")
+    finally:
+        server.stop()

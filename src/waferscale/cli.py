@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 
 
@@ -113,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a request still waiting for its first batch slot after this long gets 503 (default 600)",
     )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long in-flight requests may run before they end with an error (default 30)",
+    )
     serve.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     serve.add_argument(
         "--enable-fault-injection",
@@ -206,7 +214,41 @@ def serve(args) -> None:
             "no API key set (--api-key or WAFERSCALE_API_KEY): the server is open to anyone who can reach it"
         )
     log.info("serving %s on http://%s:%d (models: %s)", loaded.name, args.host, args.port, ", ".join(names))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=args.shutdown_grace + 5,  # room for the error chunks after the grace period
+    )
+    _graceful_server(config, ctx, args.shutdown_grace).run()
+
+
+def _graceful_server(config, ctx, grace: float):
+    """A uvicorn server that drains on SIGTERM/SIGINT (uvicorn is imported only when serving)."""
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """On SIGTERM/SIGINT: stop accepting, let in-flight requests finish for `grace` seconds, then end the rest
+        with an error (503) so that no client is left without an answer. A second signal exits at once."""
+
+        def __init__(self, config, ctx, grace: float):
+            super().__init__(config)
+            self.ctx, self.grace = ctx, grace
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                log = logging.getLogger("waferscale")
+                log.info("shutting down: in-flight requests have %g s to finish", self.grace)
+                self.ctx.draining = True
+                timer = threading.Timer(
+                    self.grace, self.ctx.engine.fail_all, args=("the server is shutting down",)
+                )
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    return GracefulServer(config, ctx, grace)
 
 
 def complete(args) -> None:

@@ -40,11 +40,16 @@ class ServingContext:
     fault_injection: bool = False  # honour X-Waferscale-Fault-After (testing aid, off unless asked for)
     max_waiting: int | None = None  # sequences allowed to wait for admission; beyond it, 429
     rejected: int = 0  # requests turned away with 429
+    draining: bool = False  # shutting down: no new requests
 
 
 def check_capacity(plan: Plan, ctx: ServingContext) -> None:
     """429 with Retry-After when the waiting queue is full (a request that alone exceeds it waits for an empty
     queue, so it is never refused forever)."""
+    if ctx.draining:
+        raise APIError(
+            503, "the server is shutting down; retry against another instance", code="shutting_down"
+        )
     if ctx.max_waiting is None:
         return
     waiting = ctx.engine.num_waiting()

@@ -52,6 +52,10 @@ class AsyncEngine:
             if not finished:
                 self._submit(("abort", request_id))
 
+    def fail_all(self, message: str) -> None:
+        """End every in-flight sequence with a 503 error event (their clients get an error, not silence)."""
+        self._submit(("fail_all", message))
+
     def num_waiting(self) -> int:
         """Sequences not yet admitted: the engine's queue plus those still on their way to it."""
         return len(self.engine.waiting) + sum(1 for c in self._commands if c[0] == "add")
@@ -73,6 +77,8 @@ class AsyncEngine:
             for command in commands:
                 if command[0] == "add":
                     engine.add_request(*command[1:])
+                elif command[0] == "fail_all":
+                    self._dispatch(engine.fail_all(command[1]))
                 else:
                     engine.abort(command[1])
             if engine.has_work():

@@ -98,6 +98,16 @@ class LLMEngine:
         self.running = [s for s in self.running if s.request_id != request_id]
         self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
 
+    def fail_all(self, message: str, status: int = 503) -> list[GenerationEvent]:
+        """End every sequence with an error event (shutdown after the grace period) and free its blocks."""
+        events = []
+        for seq in self.running + list(self.waiting):
+            self._free(seq)
+            seq.finish_reason = "error"
+            events.append(GenerationEvent(seq.request_id, finished=True, error=message, error_status=status))
+        self.running, self.waiting = [], deque()
+        return events
+
     def stats(self) -> dict[str, float]:
         """Counters for /metrics (read from another thread: plain ints, no locking needed)."""
         b = self.blocks
