@@ -67,7 +67,7 @@ class LLMEngine:
         self.generated_tokens = 0
         self.ttft = Histogram()  # arrival to first token
         self.itl = Histogram()  # between consecutive tokens of a sequence
-        self.grammars = GrammarMasks(loaded.tokenizer.tokenizer.to_str(), cfg.vocab_size, self.eos_ids)
+        self.grammars = GrammarMasks(loaded.tokenizer.tokenizer, cfg.vocab_size, self.eos_ids)
         self._early_events: list[GenerationEvent] = []  # requests that ended before reaching the scheduler
 
     # ------------------------------------------------------------------ interface
@@ -213,10 +213,16 @@ class LLMEngine:
         or two and take it from the cache than to compute it twice."""
         if not in_flight or seq.params.prompt_logprobs:
             return False
-        if seq.prompt_hashes is None:
+        hashes = self._prompt_hashes(seq)
+        cached = len(self.blocks.match(hashes, count=False))
+        return cached < len(hashes) and hashes[cached] in in_flight
+
+    def _prompt_hashes(self, seq: Sequence) -> list[int]:
+        """Hashes of seq's full blocks before its last token, computed once per token count (a preempted
+        sequence has grown since)."""
+        if seq.prompt_hashes is None or len(seq.prompt_hashes) != (len(seq.token_ids) - 1) // self.block_size:
             seq.prompt_hashes = self.blocks.block_hashes(seq.token_ids[:-1])
-        cached = len(self.blocks.match(seq.prompt_hashes, count=False))
-        return cached < len(seq.prompt_hashes) and seq.prompt_hashes[cached] in in_flight
+        return seq.prompt_hashes
 
     def _admit(self, seq: Sequence, events: list[GenerationEvent]) -> bool:
         """Give a waiting sequence its blocks (reusing cached prefix blocks); False if the pool cannot yet."""
@@ -234,8 +240,7 @@ class LLMEngine:
             )
             return True
         # the last token is always computed (its logits are needed), so only blocks before it may come from cache
-        hashes = self.blocks.block_hashes(tokens[:-1])
-        seq.prompt_hashes = hashes
+        hashes = self._prompt_hashes(seq)
         reused = [] if seq.params.prompt_logprobs else self.blocks.match(hashes)
         if not self.blocks.can_allocate(needed - len(reused), reused):
             if not self.running:

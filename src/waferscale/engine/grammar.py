@@ -11,6 +11,7 @@ import threading
 
 import llguidance
 import torch
+from tokenizers import Tokenizer
 
 # Rules shared by every root. Whitespace follows llama.cpp's json.gbnf (one space, or one newline and up to 20 spaces
 # or tabs of indent), so a sampled document cannot drift into endless blank lines; nothing follows a complete value.
@@ -70,13 +71,8 @@ def is_function_call(text: str) -> bool:
 
 def open_json_suffix(text: str, limit: int = 256) -> str | None:
     """The JSON object or array that `text` opens and leaves unclosed at its end (outermost first), or None."""
-    depth_ok: str | None = None
     starts = [i for i, c in enumerate(text) if c in "{["]
-    for i in starts[-limit:]:
-        if _is_open_json_prefix(text[i:]):
-            depth_ok = text[i:]
-            break
-    return depth_ok
+    return next((text[i:] for i in starts[-limit:] if _is_open_json_prefix(text[i:])), None)
 
 
 def _is_open_json_prefix(s: str) -> bool:
@@ -142,8 +138,8 @@ class GrammarMasks:
     """Compiles the built-in grammars for one tokenizer (lazily: the first constrained request pays ~1 s) and
     computes token masks for a batch of matchers in one call."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]):
-        self._tokenizer_json = tokenizer_json
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int]):
+        self._tokenizer = tokenizer  # serialised for llguidance only when a grammar is first used
         self.vocab_size = vocab_size
         self._eos_ids = eos_ids
         self._lock = threading.Lock()
@@ -155,7 +151,7 @@ class GrammarMasks:
         with self._lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos_ids
+                    self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._eos_ids
                 )
                 self._executor = llguidance.LLExecutor()
 
