@@ -44,7 +44,9 @@ def decode_body(
             obj = json.loads(body)
         else:
             obj = msgpack.unpackb(body, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, RecursionError) as exc:
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+        # TypeError: a msgpack map keyed by an array or map (unhashable); ValueError covers JSON, over-long
+        # integer literals and msgpack's ExtraData/FormatError/StackError.
         fmt = "JSON" if kind in JSON_TYPES else "msgpack"
         raise APIError(400, f"request body is not valid {fmt}: {type(exc).__name__}") from None
     if not isinstance(obj, dict):
