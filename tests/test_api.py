@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import pytest
 from conftest import ALIAS, MODEL, Server, complete, sse_events
@@ -156,7 +158,7 @@ def test_open_server_says_so_at_start(server):
 
 @pytest.fixture(scope="module")
 def keyed_server():
-    s = Server("--api-key", "alpha,beta", env={"WAFERSCALE_API_KEY": "gamma"})
+    s = Server("--api-key", "alpha-k3y,beta-k3y", "--log-requests", env={"WAFERSCALE_API_KEY": "gamma-k3y"})
     yield s
     s.stop()
 
@@ -167,20 +169,67 @@ def test_api_keys_are_required_when_set(keyed_server):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
     with httpx.Client(base_url=keyed_server.url) as http:
         assert http.post("/v1/completions", json=body).status_code == 401
-        bad = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer delta"})
+        bad = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer delta-k3y"})
         assert bad.status_code == 401 and bad.json()["status_code"] == 401
-        assert "alpha" not in bad.text
-        for key in ("alpha", "beta", "gamma"):
+        assert "alpha-k3y" not in bad.text
+        for key in ("alpha-k3y", "beta-k3y", "gamma-k3y"):
             ok = http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
             assert ok.status_code == 200
         assert http.get("/v1/models").status_code == 401
+        assert http.get("/metrics").status_code == 401
+        assert http.get("/metrics", headers={"Authorization": "Bearer gamma-k3y"}).status_code == 200
         assert http.get("/health").status_code == 200
     client = Cerebras(api_key="wrong", base_url=keyed_server.url, max_retries=0)
     with pytest.raises(AuthenticationError):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
-    good = Cerebras(api_key="beta", base_url=keyed_server.url, max_retries=0)
+    good = Cerebras(api_key="beta-k3y", base_url=keyed_server.url, max_retries=0)
     assert good.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices
     assert "no API key set" not in keyed_server.log()
+
+
+def test_401_is_the_same_whatever_key_was_sent_and_keys_are_never_logged(keyed_server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    answers = set()
+    with httpx.Client(base_url=keyed_server.url) as http:
+        for header in (None, "Bearer alph", "Bearer alpha2", "Bearer", "Basic alpha-k3y", "alpha-k3y"):
+            r = http.post("/v1/completions", json=body, headers={"Authorization": header} if header else {})
+            assert r.status_code == 401
+            answers.add(r.text)
+        http.post("/v1/completions", json=body, headers={"Authorization": "Bearer alpha-k3y"})
+    assert len(answers) == 1
+    log = keyed_server.log()
+    assert not any(k in log for k in ("alpha-k3y", "beta-k3y", "gamma-k3y"))
+
+
+def test_prompts_and_outputs_are_logged_only_with_log_requests(http, server, keyed_server):
+    body = {"model": MODEL, "prompt": "The zebra-striped quokka", "max_tokens": 3}
+    out = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert "quokka" not in server.log() and (not out.strip() or out not in server.log())
+    with httpx.Client(base_url=keyed_server.url) as keyed:
+        r = keyed.post("/v1/completions", json=body, headers={"Authorization": "Bearer beta-k3y"})
+    assert r.status_code == 200 and "zebra-striped quokka" in keyed_server.log()
+
+
+def test_server_says_where_it_listens(server):
+    assert "this machine only" in server.log() and "127.0.0.1" in server.log()
+
+
+def test_oversized_headers_are_refused_and_the_server_goes_on(http, server):
+    host, port = server.url.removeprefix("http://").split(":")
+    answer = b""
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        try:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n")
+            answer = sock.recv(4096)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered 400 and closed while we were still sending
+        if not answer:
+            try:
+                answer = sock.recv(4096)
+            except (ConnectionResetError, OSError):
+                answer = b"HTTP/1.1 400 (connection reset)"
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
+    assert http.get("/health").status_code == 200
 
 
 def test_client_disconnect_mid_stream_leaves_server_healthy(http, server):

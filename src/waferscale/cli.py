@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+MAX_HEADER_BYTES = 64 * 1024  # request line plus headers; request bodies are bounded in api.decoding
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -213,12 +215,25 @@ def serve(args) -> None:
         log.warning(
             "no API key set (--api-key or WAFERSCALE_API_KEY): the server is open to anyone who can reach it"
         )
-    log.info("serving %s on http://%s:%d (models: %s)", loaded.name, args.host, args.port, ", ".join(names))
+    reach = (
+        "this machine only; --host 0.0.0.0 serves other machines too"
+        if args.host in ("127.0.0.1", "localhost", "::1")
+        else "reachable from other machines"
+    )
+    log.info(
+        "serving %s on http://%s:%d (%s; models: %s)",
+        loaded.name,
+        args.host,
+        args.port,
+        reach,
+        ", ".join(names),
+    )
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level="warning",
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # request line plus headers; beyond it, 400
         timeout_graceful_shutdown=args.shutdown_grace + 5,  # room for the error chunks after the grace period
     )
     _graceful_server(config, ctx, args.shutdown_grace).run()

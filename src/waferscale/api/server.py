@@ -61,7 +61,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         """The official SDK calls this when a client is constructed; it answers at once."""
         return {"status": "ok"}
 
-    @app.get("/metrics", tags=["Server"], response_class=PlainTextResponse)
+    @app.get("/metrics", tags=["Server"], response_class=PlainTextResponse, dependencies=[Depends(auth)])
     async def metrics() -> str:
         """Prometheus text format: engine queue, KV cache and prefix-cache counters."""
         stats = {**ctx.engine.engine.stats(), "rejected_requests": ctx.rejected}
@@ -178,4 +178,39 @@ def build_openapi(app: FastAPI) -> dict:
         }
     }
     doc["security"] = [{"BearerAuth": []}]
+    for path in _OPEN_PATHS:
+        doc["paths"][path]["get"]["security"] = []  # answered without a key, for load balancers and the SDK
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            codes = _ERROR_CODES.get((method, path), ()) + (() if path in _OPEN_PATHS else (401,))
+            for code in sorted(codes):
+                op["responses"].setdefault(
+                    str(code),
+                    {
+                        "description": _ERROR_DESCRIPTIONS[code],
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/ErrorChunkResponse"}
+                            }
+                        },
+                    },
+                )
     return doc
+
+
+_OPEN_PATHS = ("/health", "/v1/tcp_warming")
+# Errors each operation can answer with (besides 401 where a key is required), all as ErrorChunkResponse.
+_ERROR_CODES = {
+    ("post", "/v1/completions"): (400, 404, 413, 415, 429, 500, 503),
+    ("get", "/v1/models/{model_id}"): (404,),
+}
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request (a value the schema allows but the model or server cannot serve)",
+    401: "Missing or wrong API key (only when the server was started with keys)",
+    404: "No such model on this server",
+    413: "Request body too large",
+    415: "Unsupported content type or content encoding",
+    429: "Waiting queue full; retry after the Retry-After header's seconds",
+    500: "Generation failed for this request",
+    503: "Not admitted before --queue-timeout, or the server is shutting down",
+}
