@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test lint audit clean
 
 install: $(STAMP)
 
@@ -22,8 +22,13 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
+# pip-audit lives in its own venv so that its dependencies never mix with the project's.
+audit: $(STAMP)
+	test -x .venv-audit/bin/pip-audit || ($(PY) -m venv .venv-audit && .venv-audit/bin/pip install -q 'pip-audit>=2.7,<3')
+	$(BIN)/python scripts/audit_deps.py --pip-audit .venv-audit/bin/pip-audit $(AUDIT_ARGS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .venv-audit build *.egg-info src/*.egg-info
