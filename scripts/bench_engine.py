@@ -21,7 +21,9 @@ def start_to_first_token(model: str | None, dtype: str, cache_dir: str) -> float
     if model:
         cmd += ["--model", model]
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "WAFERSCALE_CACHE_DIR": cache_dir})
+    subprocess.run(
+        cmd, check=True, capture_output=True, env={**os.environ, "WAFERSCALE_CACHE_DIR": cache_dir}
+    )
     return time.perf_counter() - t0
 
 
@@ -33,7 +35,9 @@ def engine_rates(model: str | None, dtype: str, runs: int) -> tuple[float, float
     engine = LLMEngine(loaded, enable_prefix_cache=False)  # every run computes its whole prompt
 
     def run(ids, max_tokens, min_tokens=0):
-        engine.add_request("b", ids, SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, temperature=0))
+        engine.add_request(
+            "b", ids, SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, temperature=0)
+        )
         last = None
         while engine.has_work():
             for ev in engine.step():
@@ -67,10 +71,14 @@ def main() -> None:
             warm = statistics.median(start_to_first_token(args.model, dtype, cache) for _ in range(args.runs))
         decode, prefill = engine_rates(args.model, dtype, args.runs)
         rows.append((dtype, cold, warm, decode, prefill))
-    print(f"{'dtype':<10}{'first start s':>15}{'second start s':>16}{'decode tok/s':>14}{'prefill tok/s':>15}")
+    print(
+        f"{'dtype':<10}{'first start s':>15}{'second start s':>16}{'decode tok/s':>14}{'prefill tok/s':>15}"
+    )
     for dtype, cold, warm, decode, prefill in rows:
         print(f"{dtype:<10}{cold:>15.2f}{warm:>16.2f}{decode:>14.1f}{prefill:>15.1f}")
-    print("(start = new process to first token; decode = 128 tokens after a 32-token prompt; prefill = 1,000 tokens)")
+    print(
+        "(start = new process to first token; decode = 128 tokens after a 32-token prompt; prefill = 1,000 tokens)"
+    )
 
 
 if __name__ == "__main__":

@@ -84,10 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--kv-cache-memory",
         type=parse_size,
-        default="1GiB",
+        default="512MiB",
         metavar="SIZE",
-        help="memory for the paged KV cache, e.g. 512MiB or 2GiB (default: 1GiB); sizes the number of requests "
-        "that can run at once",
+        help="memory for the paged KV cache, e.g. 256MiB or 2GiB (default: 512MiB), reserved at start; sizes the "
+        "tokens in flight plus the prefix cache",
     )
     serve.add_argument(
         "--max-num-seqs", type=int, default=64, metavar="N", help="most sequences running at once"
@@ -180,6 +180,10 @@ def _load(args):
 
 
 def serve(args) -> None:
+    # oneDNN keeps one compiled GEMM per (weight, batch rows) shape, 1,024 by default; a server sees every batch size
+    # from 1 to --max-num-batched-tokens, so the default cache alone grows RSS by hundreds of MiB over hours. Read by
+    # oneDNN at its first GEMM, so it must be set before the model runs; an operator's own setting wins.
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
     import uvicorn
 
     from waferscale.api.auth import parse_keys

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -67,7 +68,11 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        busy = False
         while True:
+            if busy and not engine.has_work():
+                busy = False
+                _trim_heap()  # the engine just went idle: hand freed heap back to the OS (outside the lock)
             with self._cv:
                 while not self._commands and not engine.has_work() and not self._stopped:
                     self._cv.wait()
@@ -82,6 +87,7 @@ class AsyncEngine:
                 else:
                     engine.abort(command[1])
             if engine.has_work():
+                busy = True
                 try:
                     events = engine.step()
                 except Exception:  # the engine isolates per-sequence failures; this is a last resort
@@ -98,6 +104,22 @@ class AsyncEngine:
                 by_loop.setdefault(target[0], []).append((target[1], event))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_deliver, items)
+
+
+def _load_malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def _trim_heap() -> None:
+    """Return free heap pages to the OS (glibc keeps the peak of a busy spell otherwise, and RSS creeps up)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, GenerationEvent]]) -> None:

@@ -27,7 +27,7 @@ from waferscale.models.llama import cpu_has_native_bf16
 from waferscale.models.loader import LoadedModel
 
 log = logging.getLogger("waferscale.engine")
-DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_KV_CACHE_BYTES = 512 << 20
 
 
 class LLMEngine:

@@ -25,10 +25,10 @@ class KVPool:
     ):
         self.block_size = block_size
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
-        self.k[:, :block_size].zero_()
-        self.v[:, :block_size].zero_()
+        # zeros, not empty: the whole pool is resident from the start, so memory use is known up front and does not
+        # creep up as the prefix cache fills every block
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
 
     @staticmethod
     def bytes_per_block(
