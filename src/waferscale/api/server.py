@@ -178,6 +178,28 @@ def build_openapi(app: FastAPI) -> dict:
         }
     }
     doc["security"] = [{"BearerAuth": []}]
+    ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    ok["text/event-stream"] = {  # with stream=true; itemSchema (OpenAPI 3.2) describes each event
+        "itemSchema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {
+                    "description": "one CreateCompletionResponse chunk (an ErrorChunkResponse if generation "
+                    "fails), then the literal [DONE]",
+                    "anyOf": [
+                        {"const": "[DONE]"},
+                        {
+                            "type": "string",
+                            "contentMediaType": "application/json",
+                            "contentSchema": {"$ref": "#/components/schemas/CreateCompletionResponse"},
+                        },
+                    ],
+                }
+            },
+        }
+    }
+    ok["application/msgpack"] = {"schema": {"$ref": "#/components/schemas/CreateCompletionResponse"}}
     for path in _OPEN_PATHS:
         doc["paths"][path]["get"]["security"] = []  # answered without a key, for load balancers and the SDK
     for path, ops in doc["paths"].items():
