@@ -17,7 +17,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -28,12 +27,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from waferscale import bench
+from waferscale.local_server import proc_status, served, tail
 
 LLAMA_CPP_PYTHON = "0.3.36"
-HOST = "127.0.0.1"
 MODEL_NAME = "smollm2-135m-instruct"
 PARALLEL = 32
 # With -no-kvu each slot gets -c / -np tokens (padded to 256): -c 32768 would leave 1,024, too few for a shared-prefix
@@ -63,14 +60,6 @@ def run_logged(cmd: list[str], log: Path, cwd: Path | None = None, env: dict | N
         rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         sys.exit(f"failed ({rc}): {' '.join(cmd)}\n{tail(log)}")
-
-
-def tail(path: Path, lines: int = 25) -> str:
-    """The last lines of a log file, for error messages."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def llama_cpp_dir(cache: Path) -> Path:
@@ -269,23 +258,6 @@ class Server:
     log: Path = field(default_factory=Path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def proc_status(pid: int, key: str) -> int | None:
-    """A kB figure (VmRSS, VmHWM) from /proc/PID/status, in bytes; None where unreadable."""
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def reset_peak_rss(pid: int) -> bool:
     """Reset the kernel's peak-RSS mark (VmHWM) so a later read covers only what follows."""
     try:
@@ -330,36 +302,9 @@ def wait_until_quiet(max_wait: float, threshold: float = 0.25) -> float:
 @contextmanager
 def running(server: Server, log_dir: Path) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start the server on a free port, wait until /health answers 200, yield its URL, then stop it."""
-    port = free_port()
-    argv = [*server.argv, "--host", HOST, "--port", str(port)]
     server.log = log_dir / f"{server.key}.log"
-    print(f"starting {server.label}: {' '.join(argv)}", file=sys.stderr)
-    with open(server.log, "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://{HOST}:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"{server.label} exited ({proc.returncode}) before it was healthy:\n{tail(server.log)}"
-                )
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{server.label} not healthy after 900 s:\n{tail(server.log)}")
-            time.sleep(0.5)
+    with served(server.argv, server.log, server.label) as (url, proc):
         yield url, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ---------------------------------------------------------------- scenarios

@@ -14,29 +14,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+from waferscale.local_server import proc_status, served
+
 MODEL = "smollm2-135m-instruct"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    rss = proc_status(pid, "VmRSS")
+    return float("nan") if rss is None else rss / 2**20
 
 
 async def metric(client, name: str) -> float:
@@ -176,28 +167,11 @@ def main() -> None:
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
 
-    import httpx
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(Path(".cache") / "soak-server.log", "w") if Path(".cache").is_dir() else subprocess.DEVNULL
-    cmd = [sys.executable, "-m", "waferscale", "serve", "--port", str(port), *args.serve_arg]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                sys.exit("the server did not start (see .cache/soak-server.log)")
-            time.sleep(0.2)
+    log = Path(".cache") / "soak-server.log"
+    log.parent.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "waferscale", "serve", *args.serve_arg]
+    with served(cmd, log, "waferscale", timeout=300) as (url, proc):
         result = asyncio.run(soak(url, proc.pid, args.requests, args.concurrency, args.max_tokens))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
     print(f"command: {' '.join(cmd)}")
     for key, value in result.items():
         print(f"{key:>24}: {value}")

@@ -226,9 +226,9 @@ def test_oversized_headers_are_refused_and_the_server_goes_on(http, server):
         if not answer:
             try:
                 answer = sock.recv(4096)
-            except (ConnectionResetError, OSError):
-                answer = b"HTTP/1.1 400 (connection reset)"
-    assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
+            except OSError:  # reset after its 400 went unread: refused all the same
+                answer = b"reset"
+    assert answer.startswith(b"HTTP/1.1 400") or answer == b"reset", answer[:100]
     assert http.get("/health").status_code == 200
 
 
