@@ -14,6 +14,7 @@ from collections import deque
 
 import torch
 
+from waferscale import kernels
 from waferscale.engine import sampler
 from waferscale.engine.block_manager import BlockManager
 from waferscale.engine.detokenizer import IncrementalDetokenizer
@@ -55,6 +56,8 @@ class LLMEngine:
         )
         num_blocks = max(2, kv_cache_bytes // per_block)
         self.block_size = block_size
+        # decode attention reads the pool in place through the native kernel where it could be built
+        self.native = kernels.load() if kv_dtype in (torch.float32, torch.bfloat16) else None
         self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache)
         self.max_num_seqs = max_num_seqs
@@ -305,6 +308,8 @@ class LLMEngine:
                 tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table)
             batch.num_decode = len(decodes)
             batch.decode_tables = tables
+            batch.decode_lengths = lengths
+            batch.native = self.native
             batch.decode_mask = (torch.arange(width * self.block_size).unsqueeze(0) < lengths.unsqueeze(1))[
                 :, None, None
             ]
@@ -383,7 +388,10 @@ class LLMEngine:
         """
         events: list[GenerationEvent] = []
         allowed = self._grammar_masks(seqs, events)
-        bad_rows = logits.sum(-1).isnan().tolist()  # a NaN anywhere makes the row's sum NaN
+        # logprobs are of the model's own distribution (see docs/api.md): logit - logsumexp, without materialising
+        # a whole log_softmax of the batch; a NaN anywhere in a row makes its logsumexp NaN
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        bad_rows = lse.squeeze(1).isnan().tolist()
         work = logits
         rows: list[int] = []
         for i, seq in enumerate(seqs):
@@ -423,12 +431,13 @@ class LLMEngine:
             return events
         picked = [seqs[i] for i in rows]
         if len(rows) < len(seqs):
-            work, logits = work[rows], logits[rows]
+            work, logits, lse = work[rows], logits[rows], lse[rows]
         tokens = sampler.draw(work, [s.params for s in picked], [s.generator for s in picked])
-        logprobs = torch.log_softmax(logits, -1)  # of the model's own distribution (see docs/api.md)
-        chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+        chosen = (logits.gather(1, torch.tensor(tokens).unsqueeze(1)) - lse).squeeze(1).tolist()
         k_max = max(s.params.logprobs or 0 for s in picked)
-        top_v, top_i = torch.topk(logprobs, k_max) if k_max else (None, None)
+        top_v, top_i = torch.topk(logits, k_max) if k_max else (None, None)
+        if k_max:
+            top_v = top_v - lse
         for j, (seq, token) in enumerate(zip(picked, tokens)):
             try:
                 k = seq.params.logprobs or 0

@@ -50,7 +50,38 @@ class PagedBatch:
     num_decode: int = 0
     decode_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    decode_lengths: torch.Tensor | None = None  # int64 context length of each decode row
+    native: object | None = None  # waferscale.kernels.NativeKernels: decode rows read the pool in place
     prefills: list[tuple[int, int, torch.Tensor, int, int]] = field(default_factory=list)
+
+    def can_fuse_decode(self, rows: int, head_dim: int) -> bool:
+        """Whether this forward is decodes only, so that a layer's rope, KV write and attention can be one call."""
+        return self.native is not None and self.num_decode == rows and not self.prefills and head_dim <= 512
+
+    def attend_decode_fused(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        num_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Decode rows only (see can_fuse_decode): qkv bf16 [B, (H + 2 KVH) D] in, attention output bf16 [B, H D]."""
+        cos, sin = rope
+        b = qkv.shape[0]
+        return self.native.decode_attention_bf16(
+            qkv.contiguous(),
+            cos.reshape(b, -1),
+            sin.reshape(b, -1),
+            self.pool.k[layer],
+            self.pool.v[layer],
+            self.slots,
+            self.decode_tables,
+            self.decode_lengths,
+            num_heads,
+            scale,
+            self.pool.block_size,
+        )
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -69,7 +100,18 @@ class PagedBatch:
         q = q.to(kc.dtype)  # attention runs in the pool's dtype
         out = torch.empty_like(q)
         b = self.num_decode
-        if b:
+        if b and self.native is not None:
+            o = self.native.paged_decode_attention(
+                q[:b].float().contiguous(),
+                kc,
+                vc,
+                self.decode_tables,
+                self.decode_lengths,
+                scale,
+                pool.block_size,
+            )
+            out[:b] = o.to(out.dtype)
+        elif b:
             tables = self.decode_tables
             shape = (b, -1, heads, dim)
             keys = (

@@ -46,7 +46,8 @@ def draw(
     tokens = [0] * logits.shape[0]
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        for i, t in zip(greedy, torch.argmax(logits[greedy], -1).tolist()):
+        rows = logits if len(greedy) == len(params) else logits[greedy]
+        for i, t in zip(greedy, torch.argmax(rows, -1).tolist()):
             tokens[i] = t
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:

@@ -38,16 +38,26 @@ class Linear(nn.Module):
         self.weight_f32: torch.Tensor | None = None
         self.bias_f32: torch.Tensor | None = None
         self.packed = False
+        self.native = None  # waferscale.kernels.NativeKernels: few bf16 rows run through its linear_bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             rows = x.shape[0]
             if self.weight_f32 is not None and rows >= _F32_COPY_ROWS:
                 return self.forward_f32(x.float()).to(x.dtype)
+            if self.native is not None and rows < _F32_COPY_ROWS and x.dtype == torch.bfloat16:
+                return self.native.linear_bf16(x.contiguous(), self.weight, self.bias_f32, torch.bfloat16)
             if rows >= _UPCAST_ROWS:
                 bias = None if self.bias is None else self.bias.float()
                 return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+    def use_native(self, kernels) -> None:
+        """Route rows below the float32-copy threshold through the native bf16 kernel (bf16 weights only)."""
+        if self.weight.dtype == torch.bfloat16 and self.weight.is_contiguous():
+            self.native = kernels
+            if self.bias is not None and self.bias_f32 is None:
+                self.bias_f32 = self.bias.detach().float()
 
     def make_f32_copy(self) -> int:
         """Build the float32 copy (packed for oneDNN where available); returns its size in bytes."""
@@ -86,8 +96,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
+        self.native = None  # waferscale.kernels.NativeKernels: bf16 rows are normalised in one native call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+            return self.native.rmsnorm_bf16(x.contiguous(), self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -159,6 +172,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if qkv.dtype == torch.bfloat16 and kv.can_fuse_decode(t, self.head_dim):
+            return self.o_proj(kv.attend_decode_fused(layer, qkv, rope, self.num_heads, self.scale))
         heads = self.num_heads + self.num_kv_heads
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim), *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -217,6 +232,14 @@ class LlamaForCausalLM(nn.Module):
         return sum(
             m.make_f32_copy() for m in self.modules() if isinstance(m, Linear) and m.weight_f32 is None
         )
+
+    def use_native_kernels(self, kernels) -> None:
+        """Let few-row bf16 projections use the native kernels (waferscale.kernels.load())."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.use_native(kernels)
+            elif isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16:
+                m.native = kernels
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

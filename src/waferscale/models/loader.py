@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from waferscale import __version__
+from waferscale import __version__, kernels
 from waferscale.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from waferscale.models.llama import LlamaForCausalLM
 from waferscale.models.tokenizer import ModelTokenizer
@@ -131,6 +131,8 @@ def _load_folder(
     model.eval()
     if dtype != torch.float32 and _f32_copy_bytes(cfg) < _available_memory() // 4:
         model.add_float32_copies()
+    if dtype == torch.bfloat16 and (native := kernels.load()) is not None:
+        model.use_native_kernels(native)
     ident = json.dumps([__version__, cfg.to_dict(), str(dtype), context], sort_keys=True, default=str)
     fingerprint = "fp_" + hashlib.sha256(ident.encode()).hexdigest()[:20]
     return LoadedModel(model, tokenizer, cfg, name, str(src), dtype, context, fingerprint)

@@ -1,0 +1,219 @@
+"""Native CPU kernels (cpu_kernels.c), compiled with the machine's C compiler at first use and cached.
+
+PyTorch has no fast CPU op for attention over a paged KV cache or for a matrix-vector product with bfloat16 weights
+on CPUs without native bfloat16; these two kernels fill that gap. Everything works without them: when no compiler
+is found, or `WAFERSCALE_NATIVE_KERNELS=0` is set, `load()` returns None and callers use plain PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch  # imported first: its libgomp.so.1 is then the OpenMP runtime our library binds to
+
+log = logging.getLogger("waferscale.kernels")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# -ffast-math at compile time only (vectorised expf, reassociated sums): linking with it would add crtfastmath.o,
+# whose constructor turns on flush-to-zero for the whole process
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
+
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("WAFERSCALE_CACHE_DIR") or Path.home() / ".cache" / "waferscale") / "kernels"
+
+
+def _cpu_signature() -> str:
+    """-march=native builds for this CPU: the cached library is keyed by the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    wanted = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted)
+
+
+def _build(compiler: str) -> Path:
+    """Compile cpu_kernels.c into the cache (once per source, compiler and CPU); returns the library's path."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        "\0".join(
+            [SOURCE.read_text(), version, _cpu_signature(), " ".join(COMPILE_FLAGS + LINK_FLAGS)]
+        ).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, out = Path(tmp) / "cpu_kernels.o", Path(tmp) / target.name
+        for cmd in (
+            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [compiler, *LINK_FLAGS, str(obj), "-o", str(out), "-lm"],
+        ):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(out, target)  # atomic: concurrent servers never load a half-written file
+    return target
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr] + [i64] * 6 + [f32]
+    lib.paged_decode_attention.restype = None
+    lib.linear_bf16.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64]
+    lib.linear_bf16.restype = None
+    lib.rmsnorm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, f32]
+    lib.rmsnorm_bf16.restype = None
+    lib.decode_attention_bf16.argtypes = [ptr] * 5 + [ctypes.c_int] + [ptr] * 4 + [i64] * 6 + [f32]
+    lib.decode_attention_bf16.restype = None
+    return lib
+
+
+def load() -> NativeKernels | None:
+    """The compiled kernels, or None where they are turned off or cannot be built (the reason is logged once)."""
+    with _lock:
+        if "lib" in _loaded:
+            return _loaded["lib"]  # type: ignore[return-value]
+        kernels = None
+        if os.environ.get("WAFERSCALE_NATIVE_KERNELS", "1") == "0":
+            log.info("native kernels off (WAFERSCALE_NATIVE_KERNELS=0): using PyTorch ops")
+        elif platform.system() != "Linux":
+            log.info("native kernels are built on Linux only: using PyTorch ops")
+        else:
+            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            if compiler is None:
+                log.warning("no C compiler found (set CC): using PyTorch ops, slower for decoding")
+            else:
+                try:
+                    path = _build(compiler)
+                    kernels = NativeKernels(_bind(ctypes.CDLL(str(path))))
+                    log.info("native kernels: %s", path)
+                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                    log.warning("native kernels unavailable (%s): using PyTorch ops", exc)
+        _loaded["lib"] = kernels
+        return kernels
+
+
+class NativeKernels:
+    """Typed entry points over the compiled library; tensors must be contiguous and of the documented dtypes."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+        scale: float,
+        block_size: int,
+    ) -> torch.Tensor:
+        """q: float32 [B, H, D]; caches: [slots, KVH, D] float32 or bfloat16; tables: int64 [B, W]; lengths: int64
+        [B]. Returns float32 [B, H, D]."""
+        b, h, d = q.shape
+        kvh = k_cache.shape[1]
+        out = torch.empty_like(q)
+        self.lib.paged_decode_attention(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            int(k_cache.dtype == torch.bfloat16),
+            tables.data_ptr(),
+            lengths.data_ptr(),
+            out.data_ptr(),
+            b,
+            h,
+            kvh,
+            d,
+            tables.shape[1],
+            block_size,
+            scale,
+        )
+        return out
+
+    def linear_bf16(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """x: float32 or bfloat16 [M, K], contiguous; weight: bfloat16 [N, K]; bias: float32 [N] or None. Returns
+        [M, N] in out_dtype (float32, or bfloat16 rounded to nearest even)."""
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, dtype=out_dtype)
+        self.lib.linear_bf16(
+            x.data_ptr(),
+            int(x.dtype == torch.bfloat16),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            int(out_dtype == torch.bfloat16),
+            m,
+            k,
+            n,
+        )
+        return y
+
+    def rmsnorm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Hugging Face's LlamaRMSNorm for bfloat16 x [M, D] (contiguous) and bfloat16 weight [D]."""
+        y = torch.empty_like(x)
+        self.lib.rmsnorm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+        return y
+
+    def decode_attention_bf16(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        block_size: int,
+    ) -> torch.Tensor:
+        """A layer's whole decode attention: rope, KV write, attention. qkv: bf16 [B, (H + 2 KVH) D]; cos, sin: bf16
+        [B, D]; caches [slots, KVH, D] float32 or bf16; slots: int64 [B]. Returns bf16 [B, H D]."""
+        b = qkv.shape[0]
+        kvh, d = k_cache.shape[1], k_cache.shape[2]
+        out = torch.empty(b, num_heads * d, dtype=torch.bfloat16)
+        self.lib.decode_attention_bf16(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            int(k_cache.dtype == torch.bfloat16),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            lengths.data_ptr(),
+            out.data_ptr(),
+            b,
+            num_heads,
+            kvh,
+            d,
+            tables.shape[1],
+            block_size,
+            scale,
+        )
+        return out

@@ -1,0 +1,200 @@
+"""Native CPU kernels: each matches the PyTorch ops it replaces, and everything runs without them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from waferscale import kernels
+from waferscale.engine import LLMEngine, SamplingParams
+from waferscale.models import load_model
+
+native = kernels.load()
+needs_native = pytest.mark.skipif(
+    native is None, reason="native kernels could not be built here (no C compiler)"
+)
+
+
+def sdpa_over_gathered_blocks(q, k_cache, v_cache, tables, lengths, block_size, scale):
+    """The reference: gather each sequence's blocks, mask positions past its length, scaled_dot_product_attention."""
+    b, h, d = q.shape
+    kvh = k_cache.shape[1]
+    keys = k_cache.view(-1, block_size, kvh, d)[tables].reshape(b, -1, kvh, d).transpose(1, 2).float()
+    values = v_cache.view(-1, block_size, kvh, d)[tables].reshape(b, -1, kvh, d).transpose(1, 2).float()
+    mask = (torch.arange(keys.shape[2])[None, :] < lengths[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=h != kvh
+    )
+    return out.squeeze(2)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+def test_paged_decode_attention_matches_sdpa(dtype, heads, kv_heads):
+    torch.manual_seed(0)
+    block_size, d, num_blocks = 16, 64, 128
+    lengths = torch.tensor([1, 15, 16, 17, 100, 250])
+    width = int(-(-lengths.max() // block_size))
+    # blocks scattered over the pool in no particular order; block 0 pads the short tables, as in the engine
+    order = torch.randperm(num_blocks - 1)[: len(lengths) * width] + 1
+    tables = order.view(len(lengths), width).clone()
+    for i, n in enumerate(lengths.tolist()):
+        tables[i, -(-n // block_size) :] = 0
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, d).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, d).to(dtype)
+    q = torch.randn(len(lengths), heads, d)
+    got = native.paged_decode_attention(q, k_cache, v_cache, tables, lengths, d**-0.5, block_size)
+    want = sdpa_over_gathered_blocks(q, k_cache, v_cache, tables, lengths, block_size, d**-0.5)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("k,n,bias", [(576, 960, False), (1536, 577, True), (20, 7, True)])
+def test_linear_bf16_matches_float32_linear(rows, k, n, bias):
+    """bf16 weights widened exactly to float32: the result is the float32 product, whatever K's tail and N."""
+    torch.manual_seed(1)
+    x = torch.randn(rows, k)
+    w = torch.randn(n, k).bfloat16()
+    b = torch.randn(n) if bias else None
+    got = native.linear_bf16(x, w, b)
+    torch.testing.assert_close(got, F.linear(x, w.float(), b), atol=1e-4, rtol=1e-5)
+
+
+@needs_native
+def test_linear_bf16_takes_and_gives_bfloat16_rounded_like_torch():
+    """bf16 in, bf16 out: the float32 product rounded to nearest even, as torch's .to(torch.bfloat16) rounds."""
+    torch.manual_seed(2)
+    x = torch.randn(3, 576).bfloat16()
+    w = torch.randn(960, 576).bfloat16()
+    b = torch.randn(960)
+    got = native.linear_bf16(x, w, b, torch.bfloat16)
+    want = native.linear_bf16(x.float(), w, b).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b), atol=0.1, rtol=1e-2)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_rmsnorm_bf16_matches_hugging_face_rmsnorm(rows):
+    """LlamaRMSNorm in bf16: statistics in float32, normalised rows rounded to bf16, times the bf16 weight."""
+    torch.manual_seed(3)
+    x = (torch.randn(rows, 576) * 3).bfloat16()
+    w = (torch.rand(576) + 0.5).bfloat16()
+    x32 = x.float()
+    want = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    got = native.rmsnorm_bf16(x, w, 1e-5)
+    # float32 sums in another order may move the normalised value across a bf16 rounding boundary: one step
+    # there, at most two after the product with the weight
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-6)
+    assert (got != want).float().mean() < 0.01
+
+
+def test_engine_without_native_kernels_gives_the_same_greedy_tokens():
+    """WAFERSCALE_NATIVE_KERNELS=0 turns the kernels off; the PyTorch path decodes the same greedy tokens.
+
+    In float32, where only the attention kernel is used: in bfloat16 the rounding of a normalised row can differ by a
+    step, and then the greedy pick of a bf16 tie (the same logit for two tokens) can go either way, as it does
+    between transformers and any other engine."""
+    script = (
+        "import json, sys\n"
+        "from waferscale import kernels\n"
+        "from waferscale.engine import LLMEngine, SamplingParams\n"
+        "from waferscale.models import load_model\n"
+        "loaded = load_model(None, dtype='float32', progress=False)\n"
+        "engine = LLMEngine(loaded)\n"
+        "for i in range(3):\n"
+        "    ids = loaded.tokenizer.encode('Tell me about the sea, part %d.' % i)\n"
+        "    engine.add_request(str(i), ids, SamplingParams(max_tokens=24, min_tokens=24, temperature=0))\n"
+        "out = {}\n"
+        "while engine.has_work():\n"
+        "    for ev in engine.step():\n"
+        "        out.setdefault(ev.request_id, []).extend(ev.token_ids)\n"
+        "print(json.dumps({'native': kernels.load() is not None, 'out': out}))\n"
+    )
+
+    def run(flag: str) -> dict:
+        env = {**os.environ, "WAFERSCALE_NATIVE_KERNELS": flag}
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+        import json
+
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    off = run("0")
+    assert off["native"] is False
+    on = run("1")
+    assert on["native"] is (native is not None)
+    assert on["out"] == off["out"]
+    assert all(len(v) == 24 for v in off["out"].values())
+
+
+@needs_native
+def test_single_sequence_decode_uses_the_bf16_kernel():
+    """One decoding sequence reads the bf16 weights through linear_bf16 (the float32 copies are for wide batches)."""
+    loaded = load_model(None, dtype="bfloat16", progress=False)
+    proj = loaded.model.layers[0].mlp.down_proj
+    assert proj.native is native and proj.weight.dtype == torch.bfloat16
+    engine = LLMEngine(loaded)
+    assert engine.native is native
+    engine.add_request("a", loaded.tokenizer.encode("Hello"), SamplingParams(max_tokens=4, temperature=0))
+    calls = []
+    original = native.linear_bf16
+    native.linear_bf16 = lambda *a: calls.append(a[0].shape[0]) or original(*a)
+    try:
+        while engine.has_work():
+            engine.step()
+    finally:
+        del native.linear_bf16
+    assert calls and set(calls) == {1}
+
+
+@needs_native
+def test_fused_decode_attention_matches_the_pytorch_path():
+    """A decode-only batch runs rope, KV write and attention in one native call; the layer's output and the keys and
+    values it stores match the PyTorch ops it replaces."""
+    from waferscale.engine.kv_cache import KVPool, PagedBatch
+
+    torch.manual_seed(4)
+    loaded = load_model(None, dtype="bfloat16", progress=False)
+    cfg, model = loaded.config, loaded.model
+    attn = model.layers[3].self_attn
+    block_size, lengths = 16, torch.tensor([1, 16, 17, 90])
+    width = int(-(-lengths.max() // block_size))
+    tables = torch.arange(1, 1 + len(lengths) * width).view(len(lengths), width)
+    last = lengths - 1
+    slots = tables[torch.arange(len(lengths)), last // block_size] * block_size + last % block_size
+    x = torch.randn(len(lengths), cfg.hidden_size).bfloat16()
+    rope = model.rotary(last)
+    results = []
+    for fused in (True, False):
+        torch.manual_seed(5)  # the same earlier keys and values in both pools
+        pool = KVPool(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, 1 + tables.numel(), block_size
+        )
+        pool.k.normal_()
+        pool.v.normal_()
+        batch = PagedBatch(pool, slots, num_decode=len(lengths), decode_tables=tables, decode_lengths=lengths)
+        batch.decode_mask = (torch.arange(width * block_size)[None, :] < lengths[:, None])[:, None, None]
+        batch.native = native if fused else None  # unfused: PyTorch's rope, index_copy_ and SDPA
+        assert batch.can_fuse_decode(len(lengths), cfg.head_dim) is fused
+        results.append((attn(x, rope, batch, 3), pool.k[3][slots].clone(), pool.v[3][slots].clone()))
+    (out_f, k_f, v_f), (out_t, k_t, v_t) = results
+    assert torch.equal(k_f, k_t) and torch.equal(v_f, v_t)  # rope rounds exactly as torch's bf16 ops do
+    torch.testing.assert_close(out_f.float(), out_t.float(), atol=2e-2, rtol=2**-7)
+
+
+def test_loading_the_kernels_leaves_subnormal_floats_alone():
+    """The library is compiled with -ffast-math but not linked with it: no flush-to-zero for the whole process."""
+    kernels.load()
+    tiny = 2.2250738585072014e-308  # the smallest normal double
+    assert tiny / 2 > 0
+    assert (torch.tensor([1e-38]) * 0.01).item() > 0  # a float32 subnormal survives
