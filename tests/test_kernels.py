@@ -55,16 +55,29 @@ def test_paged_decode_attention_matches_sdpa(dtype, heads, kv_heads):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 50, 130])
 @pytest.mark.parametrize("k,n,bias", [(576, 960, False), (1536, 577, True), (20, 7, True)])
 def test_linear_bf16_matches_float32_linear(rows, k, n, bias):
-    """bf16 weights widened exactly to float32: the result is the float32 product, whatever K's tail and N."""
+    """Packed bf16 weights widened exactly to float32: the float32 product, whatever M, K's size and N's tail."""
     torch.manual_seed(1)
     x = torch.randn(rows, k)
     w = torch.randn(n, k).bfloat16()
     b = torch.randn(n) if bias else None
-    got = native.linear_bf16(x, w, b)
-    torch.testing.assert_close(got, F.linear(x, w.float(), b), atol=1e-4, rtol=1e-5)
+    got = native.linear_bf16(x, kernels.pack_bf16(w), n, b)
+    torch.testing.assert_close(got, F.linear(x, w.float(), b), atol=2e-4, rtol=1e-5)
+
+
+@needs_native
+def test_linear_bf16_rows_do_not_depend_on_the_batch():
+    """A row's result is bit-identical alone or among other rows, so batching never changes a bf16 sequence."""
+    torch.manual_seed(6)
+    x = torch.randn(40, 576).bfloat16()
+    packed = kernels.pack_bf16(torch.randn(300, 576).bfloat16())
+    whole = native.linear_bf16(x, packed, 300, None, torch.bfloat16)
+    for start, stop in [(0, 1), (7, 8), (3, 10), (13, 40)]:
+        assert torch.equal(
+            native.linear_bf16(x[start:stop], packed, 300, None, torch.bfloat16), whole[start:stop]
+        )
 
 
 @needs_native
@@ -74,8 +87,9 @@ def test_linear_bf16_takes_and_gives_bfloat16_rounded_like_torch():
     x = torch.randn(3, 576).bfloat16()
     w = torch.randn(960, 576).bfloat16()
     b = torch.randn(960)
-    got = native.linear_bf16(x, w, b, torch.bfloat16)
-    want = native.linear_bf16(x.float(), w, b).to(torch.bfloat16)
+    packed = kernels.pack_bf16(w)
+    got = native.linear_bf16(x, packed, 960, b, torch.bfloat16)
+    want = native.linear_bf16(x.float(), packed, 960, b).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, want)
     torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b), atol=0.1, rtol=1e-2)
@@ -138,23 +152,30 @@ def test_engine_without_native_kernels_gives_the_same_greedy_tokens():
 
 
 @needs_native
-def test_single_sequence_decode_uses_the_bf16_kernel():
-    """One decoding sequence reads the bf16 weights through linear_bf16 (the float32 copies are for wide batches)."""
+def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
+    """Where bf16 is emulated, every projection reads its packed bf16 weight, one row or many; no float32 copy."""
+    from waferscale.models.llama import cpu_has_native_bf16
+
     loaded = load_model(None, dtype="bfloat16", progress=False)
+    if cpu_has_native_bf16():
+        pytest.skip("this CPU multiplies bf16 in hardware: PyTorch's own GEMMs are used")
     proj = loaded.model.layers[0].mlp.down_proj
-    assert proj.native is native and proj.weight.dtype == torch.bfloat16
+    assert proj.weight_packed is not None and proj.weight_f32 is None
     engine = LLMEngine(loaded)
     assert engine.native is native
-    engine.add_request("a", loaded.tokenizer.encode("Hello"), SamplingParams(max_tokens=4, temperature=0))
+    for i in range(5):
+        engine.add_request(
+            str(i), loaded.tokenizer.encode(f"Hello {i}"), SamplingParams(max_tokens=3, temperature=0)
+        )
     calls = []
     original = native.linear_bf16
-    native.linear_bf16 = lambda *a: calls.append(a[0].shape[0]) or original(*a)
+    native.linear_bf16 = lambda *a, **kw: calls.append(a[0].shape[0]) or original(*a, **kw)
     try:
         while engine.has_work():
             engine.step()
     finally:
         del native.linear_bf16
-    assert calls and set(calls) == {1}
+    assert 5 in calls and len(calls) == 3 * (4 * loaded.config.num_layers + 1)
 
 
 @needs_native

@@ -74,8 +74,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr] + [i64] * 6 + [f32]
     lib.paged_decode_attention.restype = None
-    lib.linear_bf16.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64]
-    lib.linear_bf16.restype = None
+    lib.gemm_bf16_packed.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64]
+    lib.gemm_bf16_packed.restype = None
     lib.rmsnorm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, f32]
     lib.rmsnorm_bf16.restype = None
     lib.decode_attention_bf16.argtypes = [ptr] * 5 + [ctypes.c_int] + [ptr] * 4 + [i64] * 6 + [f32]
@@ -106,6 +106,19 @@ def load() -> NativeKernels | None:
                     log.warning("native kernels unavailable (%s): using PyTorch ops", exc)
         _loaded["lib"] = kernels
         return kernels
+
+
+# within each panel of 16 output columns, the order the kernel's unpacklo/unpackhi widening expects (an involution)
+_PANEL_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] weight as the GEMM kernel reads it: bfloat16 panels [ceil(N / 16), K, 16], zero-padded."""
+    n, k = weight.shape
+    panels = -(-n // 16)
+    padded = torch.zeros(panels * 16, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    return padded.view(panels, 16, k)[:, _PANEL_ORDER, :].transpose(1, 2).contiguous()
 
 
 class NativeKernels:
@@ -150,25 +163,28 @@ class NativeKernels:
     def linear_bf16(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
+        packed: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
         out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """x: float32 or bfloat16 [M, K], contiguous; weight: bfloat16 [N, K]; bias: float32 [N] or None. Returns
-        [M, N] in out_dtype (float32, or bfloat16 rounded to nearest even)."""
+        """y = x W^T (+ bias) for W packed by pack_bf16. x: float32 or bfloat16 [M, K]; bias: float32 [N] or None.
+        Returns [M, N] in out_dtype (float32, or bfloat16 rounded to nearest even), accumulated in float32."""
+        x = x.contiguous()
         m, k = x.shape
-        n = weight.shape[0]
-        y = torch.empty(m, n, dtype=out_dtype)
-        self.lib.linear_bf16(
+        if packed.shape[1] != k:
+            raise ValueError(f"x has {k} features, the packed weight {packed.shape[1]}")
+        y = torch.empty(m, out_features, dtype=out_dtype)
+        self.lib.gemm_bf16_packed(
             x.data_ptr(),
             int(x.dtype == torch.bfloat16),
-            weight.data_ptr(),
+            packed.data_ptr(),
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
             int(out_dtype == torch.bfloat16),
             m,
             k,
-            n,
+            out_features,
         )
         return y
 

@@ -2,8 +2,9 @@
  *
  *   paged_decode_attention: one query token per sequence against its keys/values read in place from the paged KV
  *       pool (no gather into a batch copy first), all query heads of a key/value head together.
- *   linear_bf16: y = x W^T + b for a few rows x (float32) and bfloat16 weights, converted on the fly: decoding one
- *       or a few sequences is bound by reading the weights, and bfloat16 halves the bytes of a float32 copy.
+ *   gemm_bf16_packed: y = x W^T + b with bfloat16 weights widened to float32 in registers: decoding reads half
+ *       the bytes of a float32 copy, and PyTorch's own bf16 GEMM is emulated (slow) on CPUs without AVX512-BF16.
+ *   rmsnorm_bf16, decode_attention_bf16: a layer's small ops for bf16 rows, each one call instead of many.
  *
  * Both accumulate in float32. Work is split over threads with OpenMP, which shares PyTorch's runtime (the
  * library loads the same libgomp.so.1 that torch has already loaded).
@@ -132,76 +133,89 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
  * or bfloat16 (rounded to nearest even) when y16 is given.
  * Each thread walks its share of w's rows in order, one row at a time, so the weights stream from memory in one
  * sequential pass; up to 4 rows of x are served from each weight row while it is in L1. */
-#ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 4
-#endif
-
-static void linear_bf16_rows(const float *x, const uint16_t *w, const float *bias, float *y, uint16_t *y16,
-                             int64_t M, int64_t K, int64_t N) {
-    enum { MB = 4 };
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint16_t *wn = w + n * K;
-        const float b = bias ? bias[n] : 0.f;
+/* Linear layers with bfloat16 weights, y = x W^T (+ b), for any number of rows M.
+ *
+ * W is packed once at load (waferscale.kernels.pack_bf16): panels of 16 output columns, [N / 16][K][16] bf16,
+ * the middle quarters of each 16 swapped so that unpacklo/unpackhi against zero widen them to float32 in column
+ * order. The micro-kernel keeps up to 6 rows x 16 columns of float32 sums in 12 registers: per k, one 32-byte
+ * load of weights and 12 FMAs. Weights stream from memory once per 48 rows of x (chunks that stay in L2), so few
+ * rows (decoding) read half the bytes of a float32 copy, and many rows (prefill) run near the FMA peak. */
+/* acc[i][0..15] = sum_k x[i, k] * W[n0 + 0..15, k] for i < MB rows, from the packed panel wp [K][16] */
 #ifdef WS_AVX2
-        /* ask for the weights PREFETCH_ROWS rows ahead now: more reads in flight than the hardware prefetcher keeps */
-        if (PREFETCH_ROWS && n + PREFETCH_ROWS < N) {
-            const char *ahead = (const char *)(wn + PREFETCH_ROWS * K);
-            for (int64_t off = 0; off < K * 2; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-        }
-#endif
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            const int64_t mb = M - m0 < MB ? M - m0 : MB;
-            float dots[MB] = {0.f, 0.f, 0.f, 0.f};
-            int64_t k0 = 0;
-#ifdef WS_AVX2
-            /* two accumulators per row of x (even and odd 8-wide chunks) hide the FMA latency */
-            __m256 a[MB][2];
-            for (int64_t i = 0; i < MB; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
-            for (; k0 + 16 <= K; k0 += 16) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(wn + k0));
-                const __m256 w0 = _mm256_castsi256_ps(
-                    _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
-                const __m256 w1 = _mm256_castsi256_ps(
-                    _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
-                for (int64_t i = 0; i < mb; i++) {
-                    const float *xi = x + (m0 + i) * K + k0;
-                    a[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xi), a[i][0]);
-                    a[i][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), a[i][1]);
-                }
-            }
-            for (int64_t i = 0; i < mb; i++) {
-                const __m256 v = _mm256_add_ps(a[i][0], a[i][1]);
-                __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-                r = _mm_hadd_ps(r, r);
-                r = _mm_hadd_ps(r, r);
-                dots[i] = _mm_cvtss_f32(r);
-            }
-#endif
-            for (int64_t i = 0; i < mb; i++) {
-                const float *xi = x + (m0 + i) * K;
-                float s = dots[i];
-                for (int64_t k = k0; k < K; k++) s += xi[k] * bf16_to_f32(wn[k]);
-                if (y16)
-                    y16[(m0 + i) * N + n] = f32_to_bf16(s + b);
-                else
-                    y[(m0 + i) * N + n] = s + b;
-            }
-        }
-    }
+#define MICRO(MB)                                                                                   \
+static inline void micro_##MB(const float *x, int64_t ldx, const uint16_t *wp, int64_t K, float *acc) { \
+    __m256 a0[MB], a1[MB];                                                                          \
+    for (int i = 0; i < MB; i++) a0[i] = a1[i] = _mm256_setzero_ps();                              \
+    const __m256i zero = _mm256_setzero_si256();                                                    \
+    for (int64_t k = 0; k < K; k++) {                                                               \
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(wp + k * 16));                    \
+        const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));                    \
+        const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));                    \
+        for (int i = 0; i < MB; i++) {                                                              \
+            const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);                                 \
+            a0[i] = _mm256_fmadd_ps(w0, xb, a0[i]);                                                 \
+            a1[i] = _mm256_fmadd_ps(w1, xb, a1[i]);                                                 \
+        }                                                                                           \
+    }                                                                                               \
+    for (int i = 0; i < MB; i++) { _mm256_storeu_ps(acc + i * 16, a0[i]); _mm256_storeu_ps(acc + i * 16 + 8, a1[i]); } \
 }
+MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
+#else
+/* portable fallback with the same packed layout (slower: no explicit vectors) */
+static void micro_n(int mb, const float *x, int64_t ldx, const uint16_t *wp, int64_t K, float *acc) {
+    static const int col[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+    memset(acc, 0, sizeof(float) * 16 * (size_t)mb);
+    for (int64_t k = 0; k < K; k++)
+        for (int i = 0; i < mb; i++)
+            for (int r = 0; r < 16; r++) acc[i * 16 + col[r]] += x[i * ldx + k] * bf16_to_f32(wp[k * 16 + r]);
+}
+#define micro_6(x, l, w, k, a) micro_n(6, x, l, w, k, a)
+#define micro_5(x, l, w, k, a) micro_n(5, x, l, w, k, a)
+#define micro_4(x, l, w, k, a) micro_n(4, x, l, w, k, a)
+#define micro_3(x, l, w, k, a) micro_n(3, x, l, w, k, a)
+#define micro_2(x, l, w, k, a) micro_n(2, x, l, w, k, a)
+#define micro_1(x, l, w, k, a) micro_n(1, x, l, w, k, a)
+#endif
 
-/* linear_bf16_rows for x in float32 (x_bf16 = 0) or bfloat16, writing float32 y or, when y_bf16, bfloat16 y. */
-void linear_bf16(const void *x, int x_bf16, const uint16_t *w, const float *bias, void *y, int y_bf16, int64_t M,
-                 int64_t K, int64_t N) {
-    float *xf = NULL;
+void gemm_bf16_packed(const void *x, int x_bf16, const uint16_t *wp, const float *bias, void *y, int y_bf16,
+                      int64_t M, int64_t K, int64_t N) {
+    const float *xf = (const float *)x;
+    float *tmp = NULL;
     if (x_bf16) {
-        xf = (float *)malloc((size_t)(M * K) * sizeof(float));
-        for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+        tmp = (float *)malloc((size_t)(M * K) * sizeof(float));
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+        for (int64_t i = 0; i < M * K; i++) tmp[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+        xf = tmp;
     }
-    linear_bf16_rows(xf ? xf : (const float *)x, w, bias, y_bf16 ? NULL : (float *)y, y_bf16 ? (uint16_t *)y : NULL,
-                     M, K, N);
-    free(xf);
+    const int64_t NB = (N + 15) / 16, CHUNK = 48;
+    for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {
+        const int64_t c1 = M - c0 < CHUNK ? M : c0 + CHUNK;
+#pragma omp parallel for schedule(static)
+        for (int64_t nb = 0; nb < NB; nb++) {
+            const uint16_t *panel = wp + nb * K * 16;
+            const int64_t n0 = nb * 16, cols = N - n0 < 16 ? N - n0 : 16;
+            float acc[6 * 16];
+            for (int64_t m0 = c0; m0 < c1; m0 += 6) {
+                const int64_t mb = c1 - m0 < 6 ? c1 - m0 : 6;
+                const float *xm = xf + m0 * K;
+                switch (mb) {
+                    case 6: micro_6(xm, K, panel, K, acc); break;
+                    case 5: micro_5(xm, K, panel, K, acc); break;
+                    case 4: micro_4(xm, K, panel, K, acc); break;
+                    case 3: micro_3(xm, K, panel, K, acc); break;
+                    case 2: micro_2(xm, K, panel, K, acc); break;
+                    default: micro_1(xm, K, panel, K, acc); break;
+                }
+                for (int64_t i = 0; i < mb; i++)
+                    for (int64_t j = 0; j < cols; j++) {
+                        const float v = acc[i * 16 + j] + (bias ? bias[n0 + j] : 0.f);
+                        if (y_bf16) ((uint16_t *)y)[(m0 + i) * N + n0 + j] = f32_to_bf16(v);
+                        else ((float *)y)[(m0 + i) * N + n0 + j] = v;
+                    }
+            }
+        }
+    }
+    free(tmp);
 }
 
 /* Hugging Face's LlamaRMSNorm on bfloat16 rows: y = w * bf16(x * rsqrt(mean(x^2) + eps)), the product rounded to

