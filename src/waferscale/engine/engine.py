@@ -310,9 +310,10 @@ class LLMEngine:
             batch.decode_tables = tables
             batch.decode_lengths = lengths
             batch.native = self.native
-            batch.decode_mask = (torch.arange(width * self.block_size).unsqueeze(0) < lengths.unsqueeze(1))[
-                :, None, None
-            ]
+            if self.native is None:  # the native kernels stop at each row's length themselves
+                batch.decode_mask = (
+                    torch.arange(width * self.block_size).unsqueeze(0) < lengths.unsqueeze(1)
+                )[:, None, None]
             last = lengths - 1
             slots.append(
                 tables[torch.arange(len(decodes)), last // self.block_size] * self.block_size

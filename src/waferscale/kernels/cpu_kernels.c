@@ -36,14 +36,15 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* Keys and values of one layer: float32 or bfloat16 rows of [slots, kv_heads, head_dim]. */
-static inline void load_row(const void *cache, int is_bf16, int64_t offset, int64_t d, float *dst) {
-    if (is_bf16) {
-        const uint16_t *src = (const uint16_t *)cache + offset;
-        for (int64_t i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
-    } else {
-        memcpy(dst, (const float *)cache + offset, (size_t)d * sizeof(float));
-    }
+/* Row t of a sequence in one layer's keys or values ([slots, kv_heads, head_dim], float32 or bfloat16): a pointer
+ * into the pool, or, for bfloat16, the row widened into buf. */
+static inline const float *cache_row(const void *cache, int is_bf16, const int64_t *table, int64_t t,
+                                     int64_t block_size, int64_t row_len, float *buf) {
+    const int64_t at = (table[t / block_size] * block_size + t % block_size) * row_len;
+    if (!is_bf16) return (const float *)cache + at;
+    const uint16_t *src = (const uint16_t *)cache + at;
+    for (int64_t i = 0; i < row_len; i++) buf[i] = bf16_to_f32(src[i]);
+    return buf;
 }
 
 /* out[b, h, :] = softmax(q[b, h] . K[b]^T * scale) V[b] over the first lengths[b] positions of sequence b, whose
@@ -72,14 +73,7 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
             const int64_t *table = tables + b * W;
             /* scores[h, t] = q_h . k_t * scale, with k_t the row of h's kv head */
             for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                const float *k;
-                if (is_bf16) {
-                    load_row(k_cache, 1, slot * row_len, row_len, row);
-                    k = row;
-                } else {
-                    k = (const float *)k_cache + slot * row_len;
-                }
+                const float *k = cache_row(k_cache, is_bf16, table, t, block_size, row_len, row);
                 for (int64_t h = 0; h < H; h++) {
                     const float *qh = qb + h * D, *kh = k + (h / G) * D;
                     float s = 0.f;
@@ -106,14 +100,7 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
             /* out_h = sum_t p[h, t] v_t */
             memset(acc, 0, (size_t)(H * D) * sizeof(float));
             for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                const float *v;
-                if (is_bf16) {
-                    load_row(v_cache, 1, slot * row_len, row_len, row);
-                    v = row;
-                } else {
-                    v = (const float *)v_cache + slot * row_len;
-                }
+                const float *v = cache_row(v_cache, is_bf16, table, t, block_size, row_len, row);
                 for (int64_t h = 0; h < H; h++) {
                     const float p = scores[h * len + t], *vh = v + (h / G) * D;
                     float *ah = acc + h * D;
