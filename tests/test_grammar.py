@@ -160,7 +160,9 @@ def test_best_of_logprobs_echo_and_seed(http):
     out = complete(http, n=2, best_of=3, logprobs=2, echo=True, **body)
     for choice in out["choices"]:
         assert choice["text"].startswith(PROMPTS["object"])
-        if choice["finish_reason"] == "stop":  # a sampled object can outrun max_tokens; a finished one is whole
+        if (
+            choice["finish_reason"] == "stop"
+        ):  # a sampled object can outrun max_tokens; a finished one is whole
             assert isinstance(json.loads(choice["text"][len(PROMPTS["object"]) :]), dict)
         assert choice["logprobs"]["tokens"]
     assert "stop" in [c["finish_reason"] for c in out["choices"]]

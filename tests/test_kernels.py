@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -139,8 +140,6 @@ def test_engine_without_native_kernels_gives_the_same_greedy_tokens():
         done = subprocess.run(
             [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
         )
-        import json
-
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     off = run("0")

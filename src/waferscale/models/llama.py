@@ -39,10 +39,9 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.weight_f32: torch.Tensor | None = None
         self.bias_f32: torch.Tensor | None = None
-        self.packed = False
-        self.native = (
-            None  # waferscale.kernels.NativeKernels, with weight_packed its GEMM's layout of the weight
-        )
+        self.onednn_packed = False
+        # waferscale.kernels.NativeKernels, and the weight in its GEMM's packed layout (see use_native)
+        self.native = None
         self.weight_packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,13 +72,13 @@ class Linear(nn.Module):
         """Build the float32 copy (packed for oneDNN where available); returns its size in bytes."""
         w = self.weight.detach().float().contiguous()
         self.bias_f32 = None if self.bias is None else self.bias.detach().float()
-        self.packed = False
+        self.onednn_packed = False
         if torch.backends.mkldnn.is_available():
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
                 probe = torch.zeros(4, w.shape[1])
                 torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias_f32, "none", [], "")
-                w, self.packed = packed, True
+                w, self.onednn_packed = packed, True
             except (RuntimeError, AttributeError):  # an older or different build: plain float32 GEMMs
                 pass
         self.weight_f32 = w
@@ -87,7 +86,7 @@ class Linear(nn.Module):
 
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
         """x (float32) through the float32 copy: oneDNN's packed GEMM is the fastest float32 path on CPU."""
-        if self.packed:
+        if self.onednn_packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight_f32, self.bias_f32, "none", [], "")
         return F.linear(x, self.weight_f32, self.bias_f32)
 
