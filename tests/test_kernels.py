@@ -112,6 +112,33 @@ def test_rmsnorm_bf16_matches_hugging_face_rmsnorm(rows):
     assert (got != want).float().mean() < 0.01
 
 
+@needs_native
+def test_argmax_logsumexp_matches_torch_on_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(33, 49152) * 8
+    logits[3, 100] = logits[3, 7] = logits[3].max() + 1  # a tie goes to the lowest id
+    idx, lse = native.argmax_logsumexp(logits)
+    assert idx == torch.argmax(logits, -1).tolist()
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1, keepdim=True), atol=0, rtol=2e-6)
+
+
+@needs_native
+def test_argmax_logsumexp_keeps_torchs_special_values():
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor(
+        [
+            [-inf, -inf, -inf, -inf],  # everything masked: -inf, argmax 0
+            [1.0, 3.0, 3.0, -inf],
+            [0.0, nan, 5.0, 1.0],  # NaN poisons the row
+            [1.0, inf, 2.0, inf],
+            [-0.0, 0.0, -1.0, -2.0],
+        ]
+    )
+    idx, lse = native.argmax_logsumexp(rows)
+    assert idx == torch.argmax(rows, -1).tolist()
+    torch.testing.assert_close(lse, torch.logsumexp(rows, -1, keepdim=True), equal_nan=True)
+
+
 def test_engine_without_native_kernels_gives_the_same_greedy_tokens():
     """WAFERSCALE_NATIVE_KERNELS=0 turns the kernels off; the PyTorch path decodes the same greedy tokens.
 
@@ -152,29 +179,58 @@ def test_engine_without_native_kernels_gives_the_same_greedy_tokens():
 
 @needs_native
 def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
-    """Where bf16 is emulated, every projection reads its packed bf16 weight, one row or many; no float32 copy."""
+    """Where bf16 is emulated, every projection reads its packed bf16 weight, one row or many; no float32 copy. The
+    MLP's gate/up runs with its SiLU-and-multiply, and o_proj and down_proj with their residual adds."""
     from waferscale.models.llama import cpu_has_native_bf16
 
     loaded = load_model(None, dtype="bfloat16", progress=False)
     if cpu_has_native_bf16():
         pytest.skip("this CPU multiplies bf16 in hardware: PyTorch's own GEMMs are used")
-    proj = loaded.model.layers[0].mlp.down_proj
-    assert proj.weight_packed is not None and proj.weight_f32 is None
+    mlp = loaded.model.layers[0].mlp
+    assert mlp.down_proj.weight_packed is not None and mlp.down_proj.weight_f32 is None
+    assert mlp.gate_up_pairs is not None and mlp.gate_up_proj.weight_packed is None  # packed once, in pairs
     engine = LLMEngine(loaded)
     assert engine.native is native
     for i in range(5):
         engine.add_request(
             str(i), loaded.tokenizer.encode(f"Hello {i}"), SamplingParams(max_tokens=3, temperature=0)
         )
-    calls = []
-    original = native.linear_bf16
-    native.linear_bf16 = lambda *a, **kw: calls.append(a[0].shape[0]) or original(*a, **kw)
+    calls: dict[str, list[int]] = {"linear_bf16": [], "linear_silu_mul_bf16": [], "linear_add_bf16": []}
+
+    def counted(name):
+        original = getattr(native, name)
+        return lambda *a, **kw: calls[name].append(a[0].shape[0]) or original(*a, **kw)
+
+    for name in calls:
+        setattr(native, name, counted(name))
     try:
         while engine.has_work():
             engine.step()
     finally:
-        del native.linear_bf16
-    assert 5 in calls and len(calls) == 3 * (4 * loaded.config.num_layers + 1)
+        for name in calls:
+            delattr(native, name)
+    layers, steps = loaded.config.num_layers, 3
+    assert 5 in calls["linear_bf16"] and len(calls["linear_bf16"]) == steps * (layers + 1)  # qkv, lm_head
+    assert len(calls["linear_silu_mul_bf16"]) == steps * layers
+    assert len(calls["linear_add_bf16"]) == steps * 2 * layers  # o_proj, down_proj
+
+
+@needs_native
+def test_fused_mlp_and_residual_match_the_unfused_kernels_bit_for_bit():
+    torch.manual_seed(0)
+    k, inter, rows = 576, 1536, 33
+    x = torch.randn(rows, k).bfloat16()
+    gate_up = (torch.randn(2 * inter, k) * 0.05).bfloat16()
+    down = (torch.randn(k, inter) * 0.05).bfloat16()
+    residual = torch.randn(rows, k).bfloat16()
+    gate, up = native.linear_bf16(x, kernels.pack_bf16(gate_up), 2 * inter, None, torch.bfloat16).split(
+        [inter, inter], -1
+    )
+    act = native.linear_silu_mul_bf16(x, kernels.pack_bf16_pairs(gate_up), inter)
+    assert torch.equal(act, F.silu(gate) * up)
+    packed = kernels.pack_bf16(down)
+    want = residual + native.linear_bf16(act, packed, k, None, torch.bfloat16)
+    assert torch.equal(native.linear_add_bf16(act, packed, k, residual), want)
 
 
 @needs_native

@@ -391,9 +391,12 @@ class LLMEngine:
         allowed = self._grammar_masks(seqs, events)
         # logprobs are of the model's own distribution (see docs/api.md): logit - logsumexp, without materialising
         # a whole log_softmax of the batch; a NaN anywhere in a row makes its logsumexp NaN
-        lse = torch.logsumexp(logits, -1, keepdim=True)
+        if self.native is not None and logits.dtype == torch.float32:
+            argmax, lse = self.native.argmax_logsumexp(logits)  # one pass over the rows, not torch's five
+        else:
+            argmax, lse = None, torch.logsumexp(logits, -1, keepdim=True)
         bad_rows = lse.squeeze(1).isnan().tolist()
-        work = logits
+        overrides: dict[int, torch.Tensor] = {}  # rows after penalties, bias, min_tokens or a grammar mask
         rows: list[int] = []
         for i, seq in enumerate(seqs):
             params = seq.params
@@ -410,19 +413,17 @@ class LLMEngine:
                     raise FloatingPointError("the model produced NaN logits")
                 mask = allowed.get(id(seq))
                 if mask is not None or sampler.needs_controls(params, seq.output_counts, seq.num_generated):
-                    if work is logits:
-                        work = logits.clone()
-                    sampler.apply_controls(
-                        work[i], params, seq.output_counts, self.eos_ids, seq.num_generated
-                    )
+                    row = logits[i].clone()
+                    sampler.apply_controls(row, params, seq.output_counts, self.eos_ids, seq.num_generated)
                     if mask is not None:
-                        masked = work[i].masked_fill(~mask, float("-inf"))
+                        masked = row.masked_fill(~mask, float("-inf"))
                         # min_tokens or logit_bias left nothing the grammar allows: the grammar wins
                         if not torch.isfinite(masked).any():
                             masked = logits[i].masked_fill(~mask, float("-inf"))
                         if not torch.isfinite(masked).any():
                             raise GrammarError("the grammar allows no token here")
-                        work[i] = masked
+                        row = masked
+                    overrides[i] = row
             except Exception as exc:
                 log.warning("sampling failed for %s: %s", seq.request_id, exc)
                 events.append(self._fail(seq, exc))
@@ -432,8 +433,12 @@ class LLMEngine:
             return events
         picked = [seqs[i] for i in rows]
         if len(rows) < len(seqs):
-            work, logits, lse = work[rows], logits[rows], lse[rows]
-        tokens = sampler.draw(work, [s.params for s in picked], [s.generator for s in picked])
+            logits, lse = logits[rows], lse[rows]
+            argmax = None if argmax is None else [argmax[i] for i in rows]
+            overrides = {j: overrides[i] for j, i in enumerate(rows) if i in overrides}
+        tokens = sampler.draw(
+            logits, [s.params for s in picked], [s.generator for s in picked], overrides, argmax
+        )
         chosen = (logits.gather(1, torch.tensor(tokens).unsqueeze(1)) - lse).squeeze(1).tolist()
         k_max = max(s.params.logprobs or 0 for s in picked)
         top_v, top_i = torch.topk(logits, k_max) if k_max else (None, None)

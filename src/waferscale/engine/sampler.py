@@ -39,21 +39,36 @@ def needs_controls(params: SamplingParams, output_counts: dict[int, int], num_ge
 
 
 def draw(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    overrides: dict[int, torch.Tensor] | None = None,
+    argmax: list[int] | None = None,
 ) -> list[int]:
     """One token per row: argmax for greedy rows (ties to the lowest id); otherwise temperature, nucleus (top_p)
-    filter and an inverse-CDF draw with one uniform number from the row's generator."""
+    filter and an inverse-CDF draw with one uniform number from the row's generator.
+
+    overrides replaces some rows (after apply_controls or a grammar mask); argmax is that of `logits`' rows when
+    the caller already has it."""
+    overrides = overrides or {}
     tokens = [0] * logits.shape[0]
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
-        rows = logits if len(greedy) == len(params) else logits[greedy]
-        for i, t in zip(greedy, torch.argmax(rows, -1).tolist()):
-            tokens[i] = t
+    known = dict(enumerate(argmax)) if argmax is not None else {}
+    plain = [i for i in greedy if i not in overrides and i not in known]
+    if plain:
+        rows = logits if len(plain) == len(params) else logits[plain]
+        known.update(zip(plain, torch.argmax(rows, -1).tolist()))
+    for i in greedy:
+        tokens[i] = int(torch.argmax(overrides[i])) if i in overrides else known[i]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
         return tokens
+    if any(i in overrides for i in sampled):
+        chosen = torch.stack([overrides.get(i, logits[i]) for i in sampled])
+    else:
+        chosen = logits if len(sampled) == len(params) else logits[sampled]
     temps = torch.tensor([params[i].temperature for i in sampled], dtype=logits.dtype)
-    scaled = (logits if len(sampled) == len(params) else logits[sampled]) / temps[:, None]
+    scaled = chosen / temps[:, None]
     nucleus = [j for j, i in enumerate(sampled) if params[i].top_p < 1.0]
     if nucleus:
         top_p = torch.tensor([params[sampled[j]].top_p for j in nucleus], dtype=logits.dtype)

@@ -1,7 +1,8 @@
 """Native CPU kernels (cpu_kernels.c), compiled with the machine's C compiler at first use and cached.
 
-PyTorch has no fast CPU op for attention over a paged KV cache or for a matrix-vector product with bfloat16 weights
-on CPUs without native bfloat16; these two kernels fill that gap. Everything works without them: when no compiler
+PyTorch has no fast CPU op for attention over a paged KV cache or for a GEMM with bfloat16 weights on CPUs without
+native bfloat16; these kernels fill that gap, and fold the small ops around them (rope, SiLU, residual adds, the
+sampler's argmax and log-sum-exp) into the same passes. Everything works without them: when no compiler
 is found, or `WAFERSCALE_NATIVE_KERNELS=0` is set, `load()` returns None and callers use plain PyTorch ops.
 """
 
@@ -80,6 +81,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rmsnorm_bf16.restype = None
     lib.decode_attention_bf16.argtypes = [ptr] * 5 + [ctypes.c_int] + [ptr] * 4 + [i64] * 6 + [f32]
     lib.decode_attention_bf16.restype = None
+    lib.gemm_bf16_silu_mul.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, i64, i64]
+    lib.gemm_bf16_silu_mul.restype = None
+    lib.gemm_bf16_add.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.gemm_bf16_add.restype = None
+    lib.argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.argmax_logsumexp.restype = None
     return lib
 
 
@@ -119,6 +126,17 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(panels * 16, k, dtype=torch.bfloat16)
     padded[:n] = weight
     return padded.view(panels, 16, k)[:, _PANEL_ORDER, :].transpose(1, 2).contiguous()
+
+
+def pack_bf16_pairs(gate_up: torch.Tensor) -> torch.Tensor:
+    """A fused gate/up weight [2 I, K] (gate rows first) packed for gemm_bf16_silu_mul: each 16 gate columns'
+    panel followed by the same 16 up columns' panel. I must be a multiple of 16."""
+    two_i, k = gate_up.shape
+    inter = two_i // 2
+    if two_i % 2 or inter % 16:
+        raise ValueError(f"gate/up rows {two_i}: need twice a multiple of 16")
+    paired = gate_up.reshape(2, inter // 16, 16, k).transpose(0, 1).reshape(two_i, k)
+    return pack_bf16(paired)
 
 
 class NativeKernels:
@@ -188,6 +206,46 @@ class NativeKernels:
         )
         return y
 
+    def linear_silu_mul_bf16(self, x: torch.Tensor, pairs: torch.Tensor, inter: int) -> torch.Tensor:
+        """silu(x G^T) * (x U^T), bf16 [M, inter], for gate/up packed by pack_bf16_pairs; x float32 or bf16."""
+        x = x.contiguous()
+        m, k = x.shape
+        if pairs.shape[1] != k:
+            raise ValueError(f"x has {k} features, the packed weight {pairs.shape[1]}")
+        y = torch.empty(m, inter, dtype=torch.bfloat16)
+        self.lib.gemm_bf16_silu_mul(
+            x.data_ptr(), int(x.dtype == torch.bfloat16), pairs.data_ptr(), y.data_ptr(), m, k, 2 * inter
+        )
+        return y
+
+    def linear_add_bf16(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        residual: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """residual + (x W^T (+ bias)), bf16 [M, N], each rounded to bf16 as torch's two ops would round it.
+        residual: bf16 [M, N]."""
+        x, residual = x.contiguous(), residual.contiguous()
+        m, k = x.shape
+        if packed.shape[1] != k or residual.shape != (m, out_features) or residual.dtype != torch.bfloat16:
+            raise ValueError("linear_add_bf16: x, the packed weight and the bf16 residual do not match")
+        y = torch.empty(m, out_features, dtype=torch.bfloat16)
+        self.lib.gemm_bf16_add(
+            x.data_ptr(),
+            int(x.dtype == torch.bfloat16),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            residual.data_ptr(),
+            y.data_ptr(),
+            m,
+            k,
+            out_features,
+        )
+        return y
+
     def rmsnorm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Hugging Face's LlamaRMSNorm for bfloat16 x [M, D] (contiguous) and bfloat16 weight [D]."""
         y = torch.empty_like(x)
@@ -233,3 +291,13 @@ class NativeKernels:
             scale,
         )
         return out
+
+    def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Per row of float32 logits [B, V]: the first index of the maximum (as torch.argmax) and logsumexp
+        (float32 [B, 1], as torch.logsumexp), in one pass over the rows each."""
+        logits = logits.contiguous()
+        b, v = logits.shape
+        idx = torch.empty(b, dtype=torch.int64)
+        lse = torch.empty(b, 1, dtype=torch.float32)
+        self.lib.argmax_logsumexp(logits.data_ptr(), b, v, idx.data_ptr(), lse.data_ptr())
+        return idx.tolist(), lse

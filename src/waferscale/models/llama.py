@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from waferscale.kernels import pack_bf16
+from waferscale.kernels import pack_bf16, pack_bf16_pairs
 from waferscale.models.config import ModelConfig
 
 _UPCAST_ROWS = 64  # without float32 copies, batches this large are still worth upcasting on the fly
@@ -44,11 +44,21 @@ class Linear(nn.Module):
         self.native = None
         self.weight_packed: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b), plus `residual` when given (the native kernel adds it in the same pass)."""
         if self.weight_packed is not None and x.dtype == torch.bfloat16:
-            return self.native.linear_bf16(
+            if residual is not None and residual.dtype == torch.bfloat16:
+                return self.native.linear_add_bf16(
+                    x, self.weight_packed, self.weight.shape[0], residual, self.bias_f32
+                )
+            y = self.native.linear_bf16(
                 x, self.weight_packed, self.weight.shape[0], self.bias_f32, torch.bfloat16
             )
+        else:
+            y = self._project(x)
+        return y if residual is None else residual + y
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             rows = x.shape[0]
             if self.weight_f32 is not None and rows >= _F32_COPY_ROWS:
@@ -177,18 +187,25 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv, layer: int
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv,
+        layer: int,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Self-attention of x's rows, plus `residual` when given."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if qkv.dtype == torch.bfloat16 and kv.can_fuse_decode(t, self.head_dim):
-            return self.o_proj(kv.attend_decode_fused(layer, qkv, rope, self.num_heads, self.scale))
+            out = kv.attend_decode_fused(layer, qkv, rope, self.num_heads, self.scale)
+            return self.o_proj(out, residual)
         heads = self.num_heads + self.num_kv_heads
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim), *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = kv.attend(layer, q, k, v, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.o_proj(out.reshape(t, self.q_size), residual)
 
 
 class MLP(nn.Module):
@@ -198,9 +215,27 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        self.native = None  # waferscale.kernels.NativeKernels, with gate/up packed in pairs (see use_native)
+        self.gate_up_pairs: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)), plus `residual` when given."""
+        if self.gate_up_pairs is not None and x.dtype == torch.bfloat16:
+            act = self.native.linear_silu_mul_bf16(x, self.gate_up_pairs, self.inter)
+        else:
+            gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act, residual)
+
+    def use_native(self, kernels) -> int:
+        """Pack bf16 gate/up in pairs of panels, so one native pass gives silu(gate) * up; returns the bytes
+        packed (0 where the weights are not bf16 or the width is not a multiple of 16)."""
+        weight = self.gate_up_proj.weight
+        if weight.dtype != torch.bfloat16 or self.inter % 16:
+            return 0
+        self.native = kernels
+        self.gate_up_pairs = pack_bf16_pairs(weight.detach())
+        return self.gate_up_pairs.numel() * 2
 
 
 class DecoderLayer(nn.Module):
@@ -230,8 +265,8 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
         for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), rope, kv, i)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer.self_attn(layer.input_layernorm(h), rope, kv, i, residual=h)
+            h = layer.mlp(layer.post_attention_layernorm(h), residual=h)
         return self.norm(h)
 
     def add_float32_copies(self) -> int:
@@ -246,8 +281,15 @@ class LlamaForCausalLM(nn.Module):
         """Hand bf16 RMSNorms (and, with gemm, bf16 projections, packed) to the native kernels
         (waferscale.kernels.load()); returns the bytes of packed weights added."""
         added = 0
+        paired = set()  # gate/up projections the MLP packed in pairs: not packed a second time
         for m in self.modules():
-            if isinstance(m, Linear) and gemm:
+            if isinstance(m, MLP) and gemm:
+                done = m.use_native(kernels)
+                if done:
+                    added += done
+                    paired.add(id(m.gate_up_proj))
+        for m in self.modules():
+            if isinstance(m, Linear) and gemm and id(m) not in paired:
                 added += m.use_native(kernels)
             elif isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16:
                 m.native = kernels
