@@ -22,17 +22,23 @@
 #define WS_AVX2 1
 #endif
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u) {
     float f;
-    memcpy(&f, &bits, sizeof f);
+    memcpy(&f, &u, sizeof f);
     return f;
 }
 
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
 /* float32 -> bfloat16, rounding to nearest even (as c10::BFloat16 does); NaN stays NaN. */
 static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
+    uint32_t u = f32_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
@@ -339,18 +345,6 @@ void decode_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
     for (int64_t i = 0; i < B * H * D; i++) out[i] = f32_to_bf16(o[i]);
     free(q);
     free(o);
-}
-
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static inline float bits_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 /* Per row of float32 logits x [B, V]: idx[b], the first index of the row's maximum (torch.argmax's tie rule), and
