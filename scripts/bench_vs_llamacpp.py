@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -165,13 +166,26 @@ def bf16_gguf(cache: Path, llama_dir: Path) -> Path:
     shutil.copy(folder / "tokenizer.json", stage / "tokenizer.json")
     (stage / "model.safetensors").symlink_to(folder / "model.safetensors")
     tmp = out.with_name(out.name + ".tmp")
-    env = {**os.environ, "PYTHONPATH": str(llama_dir / "gguf-py"), "NO_LOCAL_GGUF": ""}
+    env = {**os.environ, "PYTHONPATH": converter_path(cache, llama_dir), "NO_LOCAL_GGUF": ""}
     cmd = [sys.executable, str(llama_dir / "convert_hf_to_gguf.py"), str(stage), "--outtype", "bf16"]
     print("converting waferscale's bf16 weights to a BF16 GGUF", file=sys.stderr)
     run_logged(cmd + ["--outfile", str(tmp)], cache / "convert.log", env=env)
     check_same_model(tmp, builtin_model_path())
     tmp.rename(out)
     return out
+
+
+def converter_path(cache: Path, llama_dir: Path) -> str:
+    """PYTHONPATH for convert_hf_to_gguf.py: its gguf-py, and sentencepiece (which it imports before it looks for a
+    tokenizer.model) installed into the cache when the venv lacks it."""
+    paths = [str(llama_dir / "gguf-py")]
+    if importlib.util.find_spec("sentencepiece") is None:
+        deps = cache / "convert-deps"
+        if not (deps / "sentencepiece").is_dir():
+            cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(deps)]
+            run_logged(cmd + ["sentencepiece"], cache / "setup.log")
+        paths.append(str(deps))
+    return os.pathsep.join(paths)
 
 
 def check_same_model(bf16: Path, q41: Path) -> None:
