@@ -550,6 +550,11 @@ def report(results: dict[str, dict], bw: float, sizes: dict[str, int], quick: bo
         "Settings:",
     ]
     for r in results.values():
+        if r.get("failed"):
+            lines.append(
+                f"- {r['label']}: `{' '.join(map(str, r['argv']))}` **failed**: {r['failed'].splitlines()[0]}"
+            )
+            continue
         lines.append(
             f"- {r['label']}: `{' '.join(map(str, r['argv']))}` (it used {r['server_cores']:.2f} cores; other "
             f"processes {r['other_cores']:.2f} cores on average during its run)"
@@ -619,7 +624,14 @@ def main() -> None:
     started = time.time()
     results = {}
     for server in plan:
-        results[server.key] = run_server(server, scenarios, log_dir, args.wait_idle)
+        try:
+            results[server.key] = run_server(server, scenarios, log_dir, args.wait_idle)
+        except (
+            RuntimeError
+        ) as exc:  # a server that crashes (llama-server Q4_1 on some CPUs) costs its column only
+            print(f"  {server.label} failed: {str(exc).splitlines()[0]}", file=sys.stderr)
+            failed = {"label": server.label, "argv": server.argv, "scenarios": {}, "failed": str(exc)}
+            results[server.key] = {**failed, "other_cores": 0.0, "server_cores": 0.0}
     load = os.getloadavg()
     print(report(results, bw, sizes, args.quick))
     print(f"\nCommand: {' '.join([Path(sys.executable).name, *sys.argv])}")
