@@ -75,7 +75,7 @@ def test_linear_bf16_rows_do_not_depend_on_the_batch():
     x = torch.randn(40, 576).bfloat16()
     packed = kernels.pack_bf16(torch.randn(300, 576).bfloat16())
     whole = native.linear_bf16(x, packed, 300, None, torch.bfloat16)
-    for start, stop in [(0, 1), (7, 8), (3, 10), (13, 40)]:
+    for start, stop in [(0, 1), (7, 8), (20, 22), (3, 10), (13, 40)]:
         assert torch.equal(
             native.linear_bf16(x[start:stop], packed, 300, None, torch.bfloat16), whole[start:stop]
         )
@@ -179,16 +179,19 @@ def test_engine_without_native_kernels_gives_the_same_greedy_tokens():
 
 @needs_native
 def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
-    """Where bf16 is emulated, every projection reads its packed bf16 weight, one row or many; no float32 copy. The
-    MLP's gate/up runs with its SiLU-and-multiply, and o_proj and down_proj with their residual adds."""
-    from waferscale.models.llama import cpu_has_native_bf16
+    """Where bf16 is emulated, every projection reads its packed bf16 weight, one row or many; no float32 copy.
+    Where it is multiplied in hardware, batches of up to HARDWARE_BF16_NATIVE_ROWS rows do (decoding a few streams),
+    and larger ones (here the prefill of 5 prompts) go to PyTorch's oneDNN. The MLP's gate/up runs with its
+    SiLU-and-multiply, and o_proj and down_proj with their residual adds."""
+    from waferscale.models.llama import HARDWARE_BF16_NATIVE_ROWS, cpu_has_native_bf16
 
     loaded = load_model(None, dtype="bfloat16", progress=False)
-    if cpu_has_native_bf16():
-        pytest.skip("this CPU multiplies bf16 in hardware: PyTorch's own GEMMs are used")
+    hardware = cpu_has_native_bf16()
     mlp = loaded.model.layers[0].mlp
     assert mlp.down_proj.weight_packed is not None and mlp.down_proj.weight_f32 is None
     assert mlp.gate_up_pairs is not None and mlp.gate_up_proj.weight_packed is None  # packed once, in pairs
+    limit = HARDWARE_BF16_NATIVE_ROWS if hardware else None
+    assert mlp.native_rows == limit and mlp.down_proj.native_rows == limit
     engine = LLMEngine(loaded)
     assert engine.native is native
     for i in range(5):
@@ -210,15 +213,22 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
         for name in calls:
             delattr(native, name)
     layers, steps = loaded.config.num_layers, 3
-    assert 5 in calls["linear_bf16"] and len(calls["linear_bf16"]) == steps * (layers + 1)  # qkv, lm_head
-    assert len(calls["linear_silu_mul_bf16"]) == steps * layers
-    assert len(calls["linear_add_bf16"]) == steps * 2 * layers  # o_proj, down_proj
+    native_steps = (
+        steps - 1 if hardware else steps
+    )  # the prefill step's rows (the 5 prompts) exceed the limit
+    assert all(rows <= (limit or rows) for got in calls.values() for rows in got)
+    assert (
+        5 in calls["linear_bf16"] and len(calls["linear_bf16"]) == native_steps * layers + steps
+    )  # qkv, lm_head
+    assert len(calls["linear_silu_mul_bf16"]) == native_steps * layers
+    assert len(calls["linear_add_bf16"]) == native_steps * 2 * layers  # o_proj, down_proj
 
 
 @needs_native
-def test_fused_mlp_and_residual_match_the_unfused_kernels_bit_for_bit():
+@pytest.mark.parametrize("rows", [1, 2, 33])
+def test_fused_mlp_and_residual_match_the_unfused_kernels_bit_for_bit(rows):
     torch.manual_seed(0)
-    k, inter, rows = 576, 1536, 33
+    k, inter = 576, 1536
     x = torch.randn(rows, k).bfloat16()
     gate_up = (torch.randn(2 * inter, k) * 0.05).bfloat16()
     down = (torch.randn(k, inter) * 0.05).bfloat16()
@@ -231,6 +241,22 @@ def test_fused_mlp_and_residual_match_the_unfused_kernels_bit_for_bit():
     packed = kernels.pack_bf16(down)
     want = residual + native.linear_bf16(act, packed, k, None, torch.bfloat16)
     assert torch.equal(native.linear_add_bf16(act, packed, k, residual), want)
+
+
+@needs_native
+def test_fused_silu_of_a_hugely_negative_gate_is_zero_not_nan():
+    """exp(-gate) overflows float32 below -88.7: silu is then -0 (as torch's), never inf / inf."""
+    torch.manual_seed(0)
+    k, inter = 576, 1536
+    x = (torch.randn(1, k) * 100).bfloat16()
+    gate_up = (torch.randn(2 * inter, k) * 0.05).bfloat16()
+    gate, up = native.linear_bf16(x, kernels.pack_bf16(gate_up), 2 * inter, None, torch.bfloat16).split(
+        [inter, inter], -1
+    )
+    act = native.linear_silu_mul_bf16(x, kernels.pack_bf16_pairs(gate_up), inter)
+    assert (gate < -89).sum() > 100 and not act.isnan().any()
+    assert torch.equal(act[gate < -89].abs(), torch.zeros(int((gate < -89).sum()), dtype=torch.bfloat16))
+    torch.testing.assert_close(act, F.silu(gate) * up, atol=1e-30, rtol=0.02)  # -0 for 1e-34 from -87.5
 
 
 @needs_native

