@@ -60,7 +60,9 @@ def check(root: str, text: str, finish: str) -> None:
     }
     if root in kinds:
         assert isinstance(doc, kinds[root]), text
-        assert root != "number" or not isinstance(doc, bool), text  # bool is an int to Python, not a JSON number
+        assert root != "number" or not isinstance(doc, bool), (
+            text
+        )  # bool is an int to Python, not a JSON number
         assert finish == "stop"
         if root == "insidevalue":
             assert "name" in doc  # the prompt's own member is part of the document

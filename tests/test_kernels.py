@@ -198,7 +198,8 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
         engine.add_request(
             str(i), loaded.tokenizer.encode(f"Hello {i}"), SamplingParams(max_tokens=3, temperature=0)
         )
-    calls: dict[str, list[int]] = {"linear_bf16": [], "linear_silu_mul_bf16": [], "linear_add_bf16": []}
+    names = ("linear_bf16", "linear_silu_mul_bf16", "linear_add_bf16", "decode_layer_bf16")
+    calls: dict[str, list[int]] = {name: [] for name in names}
 
     def counted(name):
         original = getattr(native, name)
@@ -213,15 +214,15 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
         for name in calls:
             delattr(native, name)
     layers, steps = loaded.config.num_layers, 3
-    native_steps = (
-        steps - 1 if hardware else steps
-    )  # the prefill step's rows (the 5 prompts) exceed the limit
+    # the prefill step runs module by module (natively only where bf16 is emulated: its 15 rows exceed the
+    # limit); the 2 decode steps run each layer in one native call
+    prefill = 0 if hardware else 1
     assert all(rows <= (limit or rows) for got in calls.values() for rows in got)
-    assert (
-        5 in calls["linear_bf16"] and len(calls["linear_bf16"]) == native_steps * layers + steps
-    )  # qkv, lm_head
-    assert len(calls["linear_silu_mul_bf16"]) == native_steps * layers
-    assert len(calls["linear_add_bf16"]) == native_steps * 2 * layers  # o_proj, down_proj
+    assert 5 in calls["linear_bf16"]
+    assert len(calls["linear_bf16"]) == prefill * layers + steps  # qkv; lm_head
+    assert len(calls["linear_silu_mul_bf16"]) == prefill * layers
+    assert len(calls["linear_add_bf16"]) == prefill * 2 * layers  # o_proj, down_proj
+    assert calls["decode_layer_bf16"] == [5] * (steps - 1) * layers
 
 
 @needs_native
@@ -292,6 +293,43 @@ def test_fused_decode_attention_matches_the_pytorch_path():
     (out_f, k_f, v_f), (out_t, k_t, v_t) = results
     assert torch.equal(k_f, k_t) and torch.equal(v_f, v_t)  # rope rounds exactly as torch's bf16 ops do
     torch.testing.assert_close(out_f.float(), out_t.float(), atol=2e-2, rtol=2**-7)
+
+
+@needs_native
+def test_whole_layer_decode_call_matches_the_modules_bit_for_bit():
+    """A decode-only batch runs each layer as one native call: the same hidden states and stored keys and values,
+    bit for bit, as the layer's modules calling the same kernels one by one."""
+    from waferscale.engine.kv_cache import KVPool, PagedBatch
+
+    loaded = load_model(None, dtype="bfloat16", progress=False)
+    cfg, model = loaded.config, loaded.model
+    assert model.decode_layers is not None
+    block_size, lengths = 16, torch.tensor([1, 16, 17, 90])
+    width = int(-(-lengths.max() // block_size))
+    tables = torch.arange(1, 1 + len(lengths) * width).view(len(lengths), width)
+    last = lengths - 1
+    slots = tables[torch.arange(len(lengths)), last // block_size] * block_size + last % block_size
+    ids = torch.tensor([42, 7, 1000, 31])
+    results = []
+    for whole in (True, False):
+        torch.manual_seed(5)  # the same earlier keys and values in both pools
+        blocks = 1 + tables.numel()
+        pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, blocks, block_size)
+        pool.k.normal_()
+        pool.v.normal_()
+        batch = PagedBatch(
+            pool, slots, num_decode=4, decode_tables=tables, decode_lengths=lengths, native=native
+        )
+        saved = model.decode_layers
+        if not whole:
+            model.decode_layers = None  # each module calls its own kernel
+        try:
+            hidden = model(ids, last, batch)
+        finally:
+            model.decode_layers = saved
+        results.append((hidden, pool.k[:, slots].clone(), pool.v[:, slots].clone()))
+    (h_w, k_w, v_w), (h_m, k_m, v_m) = results
+    assert torch.equal(h_w, h_m) and torch.equal(k_w, k_m) and torch.equal(v_w, v_m)
 
 
 def test_loading_the_kernels_leaves_subnormal_floats_alone():

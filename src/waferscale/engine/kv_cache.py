@@ -83,6 +83,34 @@ class PagedBatch:
             self.pool.block_size,
         )
 
+    def decode_layer(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        weights,
+        num_heads: int,
+        scale: float,
+    ) -> None:
+        """A whole decoder layer for decode rows only (see can_fuse_decode), in place on h: bf16 [B, E]; weights:
+        waferscale.kernels.DecodeLayerWeights."""
+        cos, sin = rope
+        b = h.shape[0]
+        self.native.decode_layer_bf16(
+            h,
+            weights,
+            cos.reshape(b, -1),
+            sin.reshape(b, -1),
+            self.pool.k[layer],
+            self.pool.v[layer],
+            self.slots,
+            self.decode_tables,
+            self.decode_lengths,
+            num_heads,
+            scale,
+            self.pool.block_size,
+        )
+
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:

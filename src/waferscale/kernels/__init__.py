@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch  # imported first: its libgomp.so.1 is then the OpenMP runtime our library binds to
@@ -86,6 +87,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemm_bf16_add.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.gemm_bf16_add.restype = None
     lib.argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.decode_layer_bf16.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
+    lib.decode_layer_bf16.argtypes += [ctypes.c_int] + [ptr] * 3 + [i64] * 5 + [f32]
+    lib.decode_layer_bf16.restype = None
     lib.argmax_logsumexp.restype = None
     return lib
 
@@ -137,6 +141,22 @@ def pack_bf16_pairs(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gate/up rows {two_i}: need twice a multiple of 16")
     paired = gate_up.reshape(2, inter // 16, 16, k).transpose(0, 1).reshape(two_i, k)
     return pack_bf16(paired)
+
+
+@dataclass(frozen=True)
+class DecodeLayerWeights:
+    """One decoder layer's weights as decode_layer_bf16 reads them: bf16 norms, packed projections (gate/up in
+    pairs), the qkv bias in float32 (or None)."""
+
+    norm1: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    norm2: torch.Tensor
+    gate_up: torch.Tensor
+    inter: int
+    down: torch.Tensor
+    eps: float
 
 
 class NativeKernels:
@@ -291,6 +311,56 @@ class NativeKernels:
             scale,
         )
         return out
+
+    def decode_layer_bf16(
+        self,
+        h: torch.Tensor,
+        weights: DecodeLayerWeights,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        block_size: int,
+    ) -> None:
+        """A whole decoder layer for decode rows, in place on h (bf16 [B, E], contiguous): the kernels its modules
+        would call one by one (norm, qkv, decode_attention_bf16, o_proj + residual, norm, gate/up + SiLU, down +
+        residual), in one call. Other arguments as decode_attention_bf16."""
+        b, e = h.shape
+        kvh, d = k_cache.shape[1], k_cache.shape[2]
+        w = weights
+        self.lib.decode_layer_bf16(
+            h.data_ptr(),
+            b,
+            e,
+            w.norm1.data_ptr(),
+            w.qkv.data_ptr(),
+            None if w.qkv_bias is None else w.qkv_bias.data_ptr(),
+            w.o.data_ptr(),
+            w.norm2.data_ptr(),
+            w.gate_up.data_ptr(),
+            w.inter,
+            w.down.data_ptr(),
+            w.eps,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            int(k_cache.dtype == torch.bfloat16),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            lengths.data_ptr(),
+            num_heads,
+            kvh,
+            d,
+            tables.shape[1],
+            block_size,
+            scale,
+        )
 
     def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Per row of float32 logits [B, V]: the first index of the maximum (as torch.argmax) and logsumexp

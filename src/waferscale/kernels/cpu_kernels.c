@@ -380,6 +380,36 @@ void decode_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
     free(o);
 }
 
+/* One Llama decoder layer for decode rows only (row b: one sequence's next token), in place on the bf16 hidden
+ * states h [M, E]: h += o(attention(rope(qkv(norm1(h))))), then h += down(silu(gate(x)) * up(x)) with
+ * x = norm2(h). The same kernels, in the same order, as the layer's modules call one by one (bit-identical), in one
+ * call: for a few rows, Python's per-module overhead is a sixth of a step. Weights packed as for the GEMMs above
+ * (gate/up in pairs); qkv_bias float32 or NULL; caches and the attention arguments as decode_attention_bf16. */
+void decode_layer_bf16(uint16_t *h, int64_t M, int64_t E, const uint16_t *norm1, const uint16_t *qkv_w,
+                       const float *qkv_bias, const uint16_t *o_w, const uint16_t *norm2, const uint16_t *gate_up_w,
+                       int64_t I, const uint16_t *down_w, float eps, const uint16_t *cos, const uint16_t *sin,
+                       void *k_cache, void *v_cache, int is_bf16, const int64_t *slots, const int64_t *tables,
+                       const int64_t *lengths, int64_t H, int64_t KVH, int64_t D, int64_t W, int64_t block_size,
+                       float scale) {
+    const int64_t QKV = (H + 2 * KVH) * D;
+    uint16_t *x = (uint16_t *)malloc((size_t)(M * E) * sizeof(uint16_t));
+    uint16_t *qkv = (uint16_t *)malloc((size_t)(M * QKV) * sizeof(uint16_t));
+    uint16_t *att = (uint16_t *)malloc((size_t)(M * H * D) * sizeof(uint16_t));
+    uint16_t *act = (uint16_t *)malloc((size_t)(M * I) * sizeof(uint16_t));
+    rmsnorm_bf16(h, norm1, x, M, E, eps);
+    gemm_run(x, 1, qkv_w, qkv_bias, qkv, 1, NULL, EPI_STORE, M, E, QKV);
+    decode_attention_bf16(qkv, cos, sin, k_cache, v_cache, is_bf16, slots, tables, lengths, att, M, H, KVH, D, W,
+                          block_size, scale);
+    gemm_run(att, 1, o_w, NULL, h, 1, h, EPI_ADD, M, H * D, E);  /* each tile reads its residual, then writes it */
+    rmsnorm_bf16(h, norm2, x, M, E, eps);
+    gemm_run(x, 1, gate_up_w, NULL, act, 1, NULL, EPI_SILU_MUL, M, E, 2 * I);
+    gemm_run(act, 1, down_w, NULL, h, 1, h, EPI_ADD, M, I, E);
+    free(x);
+    free(qkv);
+    free(att);
+    free(act);
+}
+
 /* Per row of float32 logits x [B, V]: idx[b], the first index of the row's maximum (torch.argmax's tie rule), and
  * lse[b] = max + log(sum exp(x - max)) as torch.logsumexp computes it: -inf for a row of -inf, +inf for a row
  * with +inf, NaN for a row with NaN. Special values are tested on the bits: -ffast-math assumes they never occur. */

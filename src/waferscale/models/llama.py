@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from waferscale.kernels import pack_bf16, pack_bf16_pairs
+from waferscale.kernels import DecodeLayerWeights, pack_bf16, pack_bf16_pairs
 from waferscale.models.config import ModelConfig
 
 _UPCAST_ROWS = 64  # without float32 copies, batches this large are still worth upcasting on the fly
@@ -283,11 +283,26 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, max_positions, dtype)
         self.requires_grad_(False)
+        # each layer's weights for the native whole-layer decode call, and the most rows it takes (see
+        # use_native_kernels); None where the layers cannot run natively
+        self.decode_layers: list[DecodeLayerWeights] | None = None
+        self.decode_rows: int | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
+        rows = h.shape[0]
+        if (
+            self.decode_layers is not None
+            and h.dtype == torch.bfloat16
+            and (self.decode_rows is None or rows <= self.decode_rows)
+            and kv.can_fuse_decode(rows, self.cfg.head_dim)
+        ):  # decode rows only: each layer is one native call, in place on h (the modules' kernels, bit for bit)
+            attn = self.layers[0].self_attn
+            for i, weights in enumerate(self.decode_layers):
+                kv.decode_layer(i, h, rope, weights, attn.num_heads, attn.scale)
+            return self.norm(h)
         for i, layer in enumerate(self.layers):
             h = layer.self_attn(layer.input_layernorm(h), rope, kv, i, residual=h)
             h = layer.mlp(layer.post_attention_layernorm(h), residual=h)
@@ -317,7 +332,34 @@ class LlamaForCausalLM(nn.Module):
                 added += m.use_native(kernels, max_rows)
             elif isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16:
                 m.native = kernels
+        self.decode_layers = [self._decode_weights(layer) for layer in self.layers] if gemm else None
+        if self.decode_layers is not None and None in self.decode_layers:
+            self.decode_layers = None
+        self.decode_rows = max_rows
         return added
+
+    @staticmethod
+    def _decode_weights(layer: DecoderLayer) -> DecodeLayerWeights | None:
+        """The layer's weights for the whole-layer decode call, or None where a part of it is not native."""
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(n.native is None for n in norms) or mlp.gate_up_pairs is None:
+            return None
+        if any(p.weight_packed is None or p.bias is not None for p in (attn.o_proj, mlp.down_proj)):
+            return None
+        if attn.qkv_proj.weight_packed is None:
+            return None
+        return DecodeLayerWeights(
+            norm1=layer.input_layernorm.weight,
+            qkv=attn.qkv_proj.weight_packed,
+            qkv_bias=attn.qkv_proj.bias_f32,
+            o=attn.o_proj.weight_packed,
+            norm2=layer.post_attention_layernorm.weight,
+            gate_up=mlp.gate_up_pairs,
+            inter=mlp.inter,
+            down=mlp.down_proj.weight_packed,
+            eps=layer.input_layernorm.eps,
+        )
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
