@@ -431,6 +431,14 @@ class LLMEngine:
             rows.append(i)
         if not rows:
             return events
+        redrawn = [i for i in rows if i in overrides and seqs[i].params.greedy]
+        if (
+            argmax is not None and redrawn
+        ):  # greedy rows after their controls: one native pass, not torch's per row
+            argmax = list(argmax)
+            new_max, _ = self.native.argmax_logsumexp(torch.stack([overrides[i] for i in redrawn]))
+            for i, a in zip(redrawn, new_max):
+                argmax[i] = a
         picked = [seqs[i] for i in rows]
         if len(rows) < len(seqs):
             logits, lse = logits[rows], lse[rows]

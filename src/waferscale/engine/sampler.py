@@ -48,8 +48,8 @@ def draw(
     """One token per row: argmax for greedy rows (ties to the lowest id); otherwise temperature, nucleus (top_p)
     filter and an inverse-CDF draw with one uniform number from the row's generator.
 
-    overrides replaces some rows (after apply_controls or a grammar mask); argmax is that of `logits`' rows when
-    the caller already has it."""
+    overrides replaces some rows (after apply_controls or a grammar mask); argmax, when the caller already has it, is
+    each row's as drawn: of its override where it has one."""
     overrides = overrides or {}
     tokens = [0] * logits.shape[0]
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -59,7 +59,7 @@ def draw(
         rows = logits if len(plain) == len(params) else logits[plain]
         known.update(zip(plain, torch.argmax(rows, -1).tolist()))
     for i in greedy:
-        tokens[i] = int(torch.argmax(overrides[i])) if i in overrides else known[i]
+        tokens[i] = known[i] if i in known else int(torch.argmax(overrides[i]))
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
         return tokens
