@@ -53,6 +53,9 @@ class PagedBatch:
     decode_lengths: torch.Tensor | None = None  # int64 context length of each decode row
     native: object | None = None  # waferscale.kernels.NativeKernels: decode rows read the pool in place
     prefills: list[tuple[int, int, torch.Tensor, int, int]] = field(default_factory=list)
+    # each prefill chunk's additive causal mask over its context (0 or -inf, the pool's dtype): built by the first
+    # layer, reused by the others
+    prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def can_fuse_decode(self, rows: int, head_dim: int) -> bool:
         """Whether this forward is decodes only, so that a layer's rope, KV write and attention can be one call."""
@@ -150,13 +153,17 @@ class PagedBatch:
                 q[:b].unsqueeze(2), keys, values, attn_mask=self.decode_mask, scale=scale, enable_gqa=gqa
             )
             out[:b] = o.squeeze(2)
-        for start_row, end_row, table, start_pos, length in self.prefills:
+        for n, (start_row, end_row, table, start_pos, length) in enumerate(self.prefills):
             keys = kb.index_select(0, table).view(-1, heads, dim)[:length].transpose(0, 1).unsqueeze(0)
             values = vb.index_select(0, table).view(-1, heads, dim)[:length].transpose(0, 1).unsqueeze(0)
             mask = None
             if start_pos:
-                rows = torch.arange(start_pos, start_pos + end_row - start_row).unsqueeze(1)
-                mask = torch.arange(length).unsqueeze(0) <= rows
+                mask = self.prefill_masks.get(n)
+                if mask is None:
+                    rows = torch.arange(start_pos, start_pos + end_row - start_row).unsqueeze(1)
+                    allowed = torch.arange(length).unsqueeze(0) <= rows
+                    mask = torch.zeros(allowed.shape, dtype=kc.dtype).masked_fill_(~allowed, float("-inf"))
+                    self.prefill_masks[n] = mask
             o = F.scaled_dot_product_attention(
                 q[start_row:end_row].transpose(0, 1).unsqueeze(0),
                 keys,
