@@ -196,7 +196,9 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
     assert engine.native is native
     for i in range(5):
         engine.add_request(
-            str(i), loaded.tokenizer.encode(f"Hello {i}"), SamplingParams(max_tokens=3, temperature=0)
+            str(i),
+            loaded.tokenizer.encode(f"Hello {i}, tell me a story about a cat, a dog and a bird"),
+            SamplingParams(max_tokens=3, min_tokens=3, temperature=0),
         )
     names = ("linear_bf16", "linear_silu_mul_bf16", "linear_add_bf16", "decode_layer_bf16")
     calls: dict[str, list[int]] = {name: [] for name in names}
@@ -214,7 +216,7 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
         for name in calls:
             delattr(native, name)
     layers, steps = loaded.config.num_layers, 3
-    # the prefill step runs module by module (natively only where bf16 is emulated: its 15 rows exceed the
+    # the prefill step runs module by module (natively only where bf16 is emulated: its 85 rows exceed the
     # limit); the 2 decode steps run each layer in one native call
     prefill = 0 if hardware else 1
     assert all(rows <= (limit or rows) for got in calls.values() for rows in got)

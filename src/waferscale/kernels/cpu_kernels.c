@@ -6,6 +6,7 @@
  *       the bytes of a float32 copy, and PyTorch's own bf16 GEMM is emulated (slow) on CPUs without AVX512-BF16.
  *       gemm_bf16_silu_mul and gemm_bf16_add finish a Llama MLP's gate/up or a residual add in the same pass.
  *   rmsnorm_bf16, decode_attention_bf16: a layer's small ops for bf16 rows, each one call instead of many.
+ *   decode_layer_bf16: a whole decoder layer for a batch of decodes, the kernels above in one call.
  *   argmax_logsumexp: the sampler's per-row argmax and log-sum-exp of the logits in one pass each.
  *
  * All accumulate in float32. Work is split over threads with OpenMP, which shares PyTorch's runtime (the

@@ -14,10 +14,11 @@ from waferscale.models.config import ModelConfig
 
 _UPCAST_ROWS = 64  # without float32 copies, batches this large are still worth upcasting on the fly
 _F32_COPY_ROWS = 4  # with float32 copies, batches from this size use them
-# where bf16 is multiplied in hardware, batches up to this many rows still take the native kernel: oneDNN's bf16
+# where bf16 is multiplied in hardware, batches up to this many rows still take the native kernels: oneDNN's bf16
 # GEMM costs about 12 ms a step for the built-in model at 1-8 rows (its small-batch path), the native one 5.5 ms at
-# 1 row and as much as oneDNN at 8; from 8 rows up oneDNN (AMX) wins, 3x at 32 and 8x at 512 rows
-HARDWARE_BF16_NATIVE_ROWS = 6
+# 1 row; with the whole-layer decode call, a decode step on the 2-core AMX machine is faster natively up to 16 rows
+# (23.5 against 32.1 ms at 8, 36.3 against 38.2 at 16), and oneDNN (AMX) wins from 24 (44.3 against 47.7 ms)
+HARDWARE_BF16_NATIVE_ROWS = 16
 
 
 @functools.cache
