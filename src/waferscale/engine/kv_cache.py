@@ -61,6 +61,12 @@ class PagedBatch:
         """Whether this forward is decodes only, so that a layer's rope, KV write and attention can be one call."""
         return self.native is not None and self.num_decode == rows and not self.prefills and head_dim <= 512
 
+    def _decode_args(self, layer: int, rope: tuple[torch.Tensor, torch.Tensor], rows: int) -> tuple:
+        """What the native decode calls take after their own input: rope rows, the layer's caches, the plan."""
+        cos, sin = rope
+        pool = self.pool
+        return (cos.reshape(rows, -1), sin.reshape(rows, -1), pool.k[layer], pool.v[layer], self.slots)
+
     def attend_decode_fused(
         self,
         layer: int,
@@ -70,15 +76,9 @@ class PagedBatch:
         scale: float,
     ) -> torch.Tensor:
         """Decode rows only (see can_fuse_decode): qkv bf16 [B, (H + 2 KVH) D] in, attention output bf16 [B, H D]."""
-        cos, sin = rope
-        b = qkv.shape[0]
         return self.native.decode_attention_bf16(
             qkv.contiguous(),
-            cos.reshape(b, -1),
-            sin.reshape(b, -1),
-            self.pool.k[layer],
-            self.pool.v[layer],
-            self.slots,
+            *self._decode_args(layer, rope, qkv.shape[0]),
             self.decode_tables,
             self.decode_lengths,
             num_heads,
@@ -97,16 +97,10 @@ class PagedBatch:
     ) -> None:
         """A whole decoder layer for decode rows only (see can_fuse_decode), in place on h: bf16 [B, E]; weights:
         waferscale.kernels.DecodeLayerWeights."""
-        cos, sin = rope
-        b = h.shape[0]
         self.native.decode_layer_bf16(
             h,
             weights,
-            cos.reshape(b, -1),
-            sin.reshape(b, -1),
-            self.pool.k[layer],
-            self.pool.v[layer],
-            self.slots,
+            *self._decode_args(layer, rope, h.shape[0]),
             self.decode_tables,
             self.decode_lengths,
             num_heads,

@@ -333,9 +333,8 @@ class LlamaForCausalLM(nn.Module):
                 added += m.use_native(kernels, max_rows)
             elif isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16:
                 m.native = kernels
-        self.decode_layers = [self._decode_weights(layer) for layer in self.layers] if gemm else None
-        if self.decode_layers is not None and None in self.decode_layers:
-            self.decode_layers = None
+        layers = [self._decode_weights(layer) for layer in self.layers] if gemm else [None]
+        self.decode_layers = None if None in layers else layers
         self.decode_rows = max_rows
         return added
 
