@@ -432,9 +432,8 @@ class LLMEngine:
         if not rows:
             return events
         redrawn = [i for i in rows if i in overrides and seqs[i].params.greedy]
-        if (
-            argmax is not None and redrawn
-        ):  # greedy rows after their controls: one native pass, not torch's per row
+        # greedy rows after their controls: their argmax from one native pass, not torch's per row
+        if argmax is not None and redrawn:
             argmax = list(argmax)
             new_max, _ = self.native.argmax_logsumexp(torch.stack([overrides[i] for i in redrawn]))
             for i, a in zip(redrawn, new_max):

@@ -87,10 +87,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemm_bf16_add.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.gemm_bf16_add.restype = None
     lib.argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.argmax_logsumexp.restype = None
     lib.decode_layer_bf16.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
     lib.decode_layer_bf16.argtypes += [ctypes.c_int] + [ptr] * 3 + [i64] * 5 + [f32]
     lib.decode_layer_bf16.restype = None
-    lib.argmax_logsumexp.restype = None
     return lib
 
 

@@ -21,6 +21,11 @@ _F32_COPY_ROWS = 4  # with float32 copies, batches from this size use them
 HARDWARE_BF16_NATIVE_ROWS = 16
 
 
+def _within(rows: int, limit: int | None) -> bool:
+    """Whether a batch of `rows` rows is within a native path's row limit (None: no limit)."""
+    return limit is None or rows <= limit
+
+
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 GEMMs are emulated."""
@@ -58,7 +63,7 @@ class Linear(nn.Module):
         return (
             self.weight_packed is not None
             and x.dtype == torch.bfloat16
-            and (self.native_rows is None or x.shape[0] <= self.native_rows)
+            and _within(x.shape[0], self.native_rows)
         )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,11 +244,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)), plus `residual` when given."""
-        rows = self.native_rows
         if (
             self.gate_up_pairs is not None
             and x.dtype == torch.bfloat16
-            and (rows is None or x.shape[0] <= rows)
+            and _within(x.shape[0], self.native_rows)
         ):
             act = self.native.linear_silu_mul_bf16(x, self.gate_up_pairs, self.inter)
         else:
@@ -293,12 +297,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
-        rows = h.shape[0]
         if (
             self.decode_layers is not None
             and h.dtype == torch.bfloat16
-            and (self.decode_rows is None or rows <= self.decode_rows)
-            and kv.can_fuse_decode(rows, self.cfg.head_dim)
+            and _within(h.shape[0], self.decode_rows)
+            and kv.can_fuse_decode(h.shape[0], self.cfg.head_dim)
         ):  # decode rows only: each layer is one native call, in place on h (the modules' kernels, bit for bit)
             attn = self.layers[0].self_attn
             for i, weights in enumerate(self.decode_layers):
@@ -317,23 +320,23 @@ class LlamaForCausalLM(nn.Module):
             m.make_f32_copy() for m in self.modules() if isinstance(m, Linear) and m.weight_f32 is None
         )
 
-    def use_native_kernels(self, kernels, gemm: bool = True, max_rows: int | None = None) -> int:
-        """Hand bf16 RMSNorms (and, with gemm, bf16 projections, packed, for batches up to max_rows rows; None:
-        any) to the native kernels (waferscale.kernels.load()); returns the bytes of packed weights added."""
+    def use_native_kernels(self, kernels, max_rows: int | None = None) -> int:
+        """Hand bf16 RMSNorms, and bf16 projections (packed, for batches up to max_rows rows; None: any), to the
+        native kernels (waferscale.kernels.load()); returns the bytes of packed weights added."""
         added = 0
         paired = set()  # gate/up projections the MLP packed in pairs: not packed a second time
         for m in self.modules():
-            if isinstance(m, MLP) and gemm:
+            if isinstance(m, MLP):
                 done = m.use_native(kernels, max_rows)
                 if done:
                     added += done
                     paired.add(id(m.gate_up_proj))
         for m in self.modules():
-            if isinstance(m, Linear) and gemm and id(m) not in paired:
+            if isinstance(m, Linear) and id(m) not in paired:
                 added += m.use_native(kernels, max_rows)
             elif isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16:
                 m.native = kernels
-        layers = [self._decode_weights(layer) for layer in self.layers] if gemm else [None]
+        layers = [self._decode_weights(layer) for layer in self.layers]
         self.decode_layers = None if None in layers else layers
         self.decode_rows = max_rows
         return added
