@@ -1,4 +1,4 @@
-"""Our /openapi.json describes POST /v1/completions as ../shared/spec/completions.openapi.json does."""
+"""Our /openapi.json describes POST /v1/completions as the contract (tests/contract/completions.openapi.json) does."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SPEC_PATH = Path(__file__).resolve().parents[2] / "shared" / "spec" / "completions.openapi.json"
+SPEC_PATH = Path(__file__).resolve().parent / "contract" / "completions.openapi.json"  # vendored, see its README
 KEYWORDS = ("type", "minimum", "maximum", "maxLength", "minLength", "maxItems", "minItems", "const", "enum")
 
 # Differences we mean, each with its reason: {(schema, property): reason}.

@@ -1,4 +1,4 @@
-"""Pydantic models that mirror ../shared/spec/completions.openapi.json: same names, fields, ranges and defaults."""
+"""Pydantic models that mirror the contract (tests/contract/completions.openapi.json): same names, fields, ranges and defaults."""
 
 from __future__ import annotations
 

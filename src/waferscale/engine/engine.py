@@ -86,9 +86,12 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
             generator=generator,
         )
-        if params.grammar is not None:
+        if params.grammar is not None or params.lark is not None:
             try:
-                seq.matcher = self.grammars.matcher(params.grammar, self.tokenizer.decode(prompt_ids))
+                if params.lark is not None:
+                    seq.matcher = self.grammars.lark_matcher(params.lark)
+                else:
+                    seq.matcher = self.grammars.matcher(params.grammar, self.tokenizer.decode(prompt_ids))
             except GrammarError as exc:
                 self._early_events.append(GenerationEvent(request_id, finished=True, error=str(exc)))
                 return

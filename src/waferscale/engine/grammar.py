@@ -52,6 +52,7 @@ _STARTS = {
     "ws": "ws?",
 }
 GRAMMAR_ROOTS = tuple(_STARTS)
+MAX_CACHED_GRAMMARS = 64  # compiled request grammars (tools, schemas) kept for reuse
 CALL_ROOTS = frozenset({"root", "fcall", "func", "funcarray"})  # outputs that may be function calls
 
 
@@ -145,6 +146,7 @@ class GrammarMasks:
         self._lock = threading.Lock()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._templates: dict[str, llguidance.LLMatcher] = {}
+        self._lark: dict[str, llguidance.LLMatcher] = {}
         self._executor: llguidance.LLExecutor | None = None
 
     def _ready(self) -> None:
@@ -177,6 +179,20 @@ class GrammarMasks:
             if not m.consume_tokens(tokens):
                 raise GrammarError(f"the prompt's open JSON cannot be continued: {m.get_error()}")
         return m
+
+    def lark_matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher for a whole Lark grammar; the most recent compiled grammars are kept for reuse."""
+        self._ready()
+        with self._lock:
+            template = self._lark.pop(grammar, None)
+            if template is None:
+                template = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+                if template.is_error():
+                    raise GrammarError(f"the grammar failed to compile: {template.get_error()}")
+            self._lark[grammar] = template  # most recently used last
+            while len(self._lark) > MAX_CACHED_GRAMMARS:
+                self._lark.pop(next(iter(self._lark)))
+        return template.deep_copy()
 
     def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """Allowed-token masks, one bool row per matcher (vocab_size wide)."""
