@@ -120,22 +120,24 @@ def test_bad_requests_leave_the_server_serving(http):
     assert complete(http, prompt=PROMPT, max_tokens=2)["choices"][0]["text"]
 
 
-def test_stream_framing_usage_and_time_info(http):
-    events = sse_events(http, prompt=PROMPT, max_tokens=5, stream_options={"include_usage": True})
+@pytest.mark.parametrize("include_usage", [True, False, None])
+def test_stream_ends_with_usage_and_time_info_on_the_finish_chunk(http, include_usage):
+    """As the hosted service streams: the chunk with the last finish_reason carries usage and time_info, whether
+    or not include_usage is set, and no chunk has empty choices."""
+    options = {} if include_usage is None else {"stream_options": {"include_usage": include_usage}}
+    events = sse_events(http, prompt=PROMPT, max_tokens=5, **options)
     assert events[-1] == "[DONE]"
-    usage_chunk = events[-2]
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 5
-    assert "time_info" in usage_chunk
-    chunks = events[:-2]
+    chunks = events[:-1]
     assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in chunks)
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert last["usage"]["completion_tokens"] == 5 and last["time_info"]["total_time"] > 0
+    assert all("usage" not in c and "time_info" not in c for c in chunks[:-1])
 
 
-def test_stream_without_usage_puts_time_info_on_last_chunk(http):
-    events = sse_events(http, prompt=PROMPT, max_tokens=4)
-    assert events[-1] == "[DONE]"
-    assert "time_info" in events[-2] and "usage" not in events[-2]
-    assert all("time_info" not in e for e in events[:-2])
+def test_stream_chunks_share_id_and_created(http):
+    chunks = sse_events(http, prompt=PROMPT, max_tokens=6)[:-1]
+    assert len({(c["id"], c["created"], c["model"], c["system_fingerprint"]) for c in chunks}) == 1
 
 
 def test_models_endpoints(http):

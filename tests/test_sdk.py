@@ -59,7 +59,8 @@ def test_openai_sdk_completion_and_stream(openai_client):
     )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
 def test_sdk_client_construction_warms_tcp(server):

@@ -213,9 +213,10 @@ def serve(args) -> None:
     import uvicorn
 
     from waferscale.api.auth import parse_keys
-    from waferscale.api.completions import ServingContext
+    from waferscale.api.pipeline import ServingContext
     from waferscale.api.server import create_app
     from waferscale.engine import AsyncEngine, LLMEngine
+    from waferscale.models.chat_template import ChatTemplate
 
     log = logging.getLogger("waferscale")
     keys = parse_keys(args.api_key, os.environ.get("WAFERSCALE_API_KEY"))
@@ -244,6 +245,7 @@ def serve(args) -> None:
         log_requests=args.log_requests,
         fault_injection=args.enable_fault_injection,
         max_waiting=args.max_waiting,
+        chat_template=ChatTemplate.for_tokenizer(loaded.tokenizer),
     )
     app = create_app(ctx, keys)
     if not keys:

@@ -2,66 +2,33 @@
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import json
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pydantic import ValidationError as PydanticValidationError
 
 from waferscale.api.errors import APIError, error_body
+from waferscale.api.pipeline import (
+    MAX_SEQUENCES,
+    SSE_DONE,
+    Run,
+    ServingContext,
+    check_model,
+    resolve_logit_bias,
+    sse,
+    stop_list,
+    token_limits,
+)
+from waferscale.api.pipeline import Sequence as PipelineSequence
 from waferscale.api.schemas import CompletionRequest
-from waferscale.engine import AsyncEngine, GenerationEvent, SamplingParams, TokenLogprob
+from waferscale.engine import SamplingParams, TokenLogprob
 from waferscale.engine.detokenizer import IncrementalDetokenizer
 from waferscale.engine.grammar import open_json_suffix
 from waferscale.models.tokenizer import ModelTokenizer
 
 log = logging.getLogger("waferscale.api")
 MAX_PROMPTS = 64
-MAX_SEQUENCES = 128  # prompts x best_of in one request
-
-
-@dataclass
-class ServingContext:
-    """What the HTTP layer needs to know about the served model."""
-
-    engine: AsyncEngine
-    tokenizer: ModelTokenizer
-    served_names: list[str]
-    max_model_len: int
-    vocab_size: int
-    fingerprint: str
-    created: int = field(default_factory=lambda: int(time.time()))
-    log_requests: bool = False
-    fault_injection: bool = False  # honour X-Waferscale-Fault-After (testing aid, off unless asked for)
-    max_waiting: int | None = None  # sequences allowed to wait for admission; beyond it, 429
-    rejected: int = 0  # requests turned away with 429
-    draining: bool = False  # shutting down: no new requests
-
-
-def check_capacity(plan: Plan, ctx: ServingContext) -> None:
-    """429 with Retry-After when the waiting queue is full (a request that alone exceeds it waits for an empty
-    queue, so it is never refused forever)."""
-    if ctx.draining:
-        raise APIError(
-            503, "the server is shutting down; retry against another instance", code="shutting_down"
-        )
-    if ctx.max_waiting is None:
-        return
-    waiting = ctx.engine.num_waiting()
-    new = len(plan.prompts) * plan.best_of
-    if waiting and waiting + new > ctx.max_waiting:
-        ctx.rejected += 1
-        raise APIError(
-            429,
-            f"the server is at capacity ({waiting} sequences waiting, limit {ctx.max_waiting}); retry shortly",
-            code="queue_full",
-            headers={"Retry-After": "1"},
-        )
 
 
 @dataclass
@@ -90,13 +57,7 @@ class Plan:
 
 def plan_request(req: CompletionRequest, ctx: ServingContext) -> Plan:
     """Check everything that needs the model (names, lengths, token ids) and resolve defaults."""
-    if req.model not in ctx.served_names:
-        raise APIError(
-            404,
-            f"model {req.model!r} does not exist; this server serves: {', '.join(ctx.served_names)}",
-            param="model",
-            code="model_not_found",
-        )
+    check_model(req.model, ctx)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
     echo, raw_tokens = bool(req.echo), bool(req.return_raw_tokens)
@@ -126,35 +87,20 @@ def plan_request(req: CompletionRequest, ctx: ServingContext) -> Plan:
             f"{MAX_SEQUENCES}",
             param="n",
         )
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    logit_bias = _logit_bias(req, ctx)
+    stop = stop_list(req.stop)
+    logit_bias = resolve_logit_bias(req.logit_bias, ctx)
     params = []
     for p in prompts:
-        room = ctx.max_model_len - len(p.ids)
-        if room <= 0:
-            raise APIError(
-                400,
-                f"prompt is {len(p.ids)} tokens; the model's context length is {ctx.max_model_len}",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        max_tokens = room if req.max_tokens in (None, -1) else req.max_tokens
-        if max_tokens > room:
-            raise APIError(
-                400,
-                f"prompt ({len(p.ids)} tokens) plus max_tokens ({max_tokens}) is {len(p.ids) + max_tokens}, over the "
-                f"model's context length of {ctx.max_model_len}",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        min_tokens = room if req.min_tokens == -1 else (req.min_tokens or 0)
+        max_tokens, min_tokens = token_limits(
+            len(p.ids), req.max_tokens, req.min_tokens, ctx, max_param="max_tokens"
+        )
         params.append(
             SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 seed=req.seed,
-                min_tokens=min(min_tokens, max_tokens),
+                min_tokens=min_tokens,
                 stop=stop,
                 logprobs=req.logprobs,
                 prompt_logprobs=echo and req.logprobs is not None,
@@ -209,27 +155,6 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[Prompt]:
     return prompts
 
 
-def _logit_bias(req: CompletionRequest, ctx: ServingContext) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for key, value in (req.logit_bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            token = -1
-        if not 0 <= token < ctx.vocab_size:
-            raise APIError(
-                400,
-                f"logit_bias key {key!r} is not a token id of this model (0..{ctx.vocab_size - 1})",
-                param="logit_bias",
-            )
-        if not -100 <= value <= 100:
-            raise APIError(
-                400, f"logit_bias value {value} for token {key} is outside -100..100", param="logit_bias"
-            )
-        out[token] = float(value)
-    return out
-
-
 def prompt_offsets(prompt: Prompt, tok: ModelTokenizer) -> list[int]:
     """Character offset of each prompt token (token-id prompts are decoded incrementally)."""
     if prompt.offsets is None:
@@ -272,32 +197,6 @@ def with_prompt_offsets(
     return entries
 
 
-@dataclass
-class Choice:
-    index: int
-    prompt: Prompt
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    generated: int = 0
-    cumulative: float = 0.0
-    error: str | None = None
-    last: GenerationEvent | None = None
-
-    def absorb(self, ev: GenerationEvent) -> None:
-        self.text += ev.text
-        self.token_ids += ev.token_ids
-        self.logprobs += ev.logprobs
-        if ev.prompt_logprobs:
-            self.prompt_logprobs = ev.prompt_logprobs
-        self.generated = ev.num_generated_tokens
-        self.cumulative = ev.cumulative_logprob
-        if ev.finished:
-            self.finish_reason, self.error, self.last = ev.finish_reason, ev.error, ev
-
-
 def choice_body(
     plan: Plan,
     ctx: ServingContext,
@@ -337,188 +236,98 @@ def choice_body(
 
 
 class CompletionRun:
-    """Runs a plan on the engine and renders the response or the stream."""
+    """Runs a plan on the engine and renders the CompletionResponse or the stream of chunks."""
 
     def __init__(self, plan: Plan, ctx: ServingContext, fail_after: int | None = None):
-        self.plan, self.ctx, self.fail_after = plan, ctx, fail_after
-        self.id = f"cmpl-{uuid.uuid4()}"
-        self.started = time.perf_counter()
-        self.choices: list[Choice] = []
-        for i, prompt in enumerate(plan.prompts):
-            for j in range(plan.best_of):
-                self.choices.append(Choice(index=i * plan.n + j, prompt=prompt))
+        self.plan, self.ctx = plan, ctx
+        self.run = Run(ctx, "cmpl", [p.ids for p in plan.prompts], plan.params, plan.best_of, fail_after)
 
-    def _generate(self, k: int) -> AsyncIterator[GenerationEvent]:
-        c = self.choices[k]
-        params = self.plan.params[k // self.plan.best_of]
-        if params.seed is not None:  # each candidate of a prompt draws its own stream: seed, seed+1, ...
-            params = dataclasses.replace(params, seed=params.seed + k % self.plan.best_of)
-        if self.fail_after is not None:
-            params = dataclasses.replace(params, fail_after=self.fail_after)
-        return self.ctx.engine.generate(f"{self.id}-{k}", c.prompt.ids, params)
+    def _choice_index(self, k: int) -> int:
+        return (k // self.plan.best_of) * self.plan.n + k % self.plan.best_of
 
     def _header(self) -> dict:
         return {
-            "id": self.id,
+            "id": self.run.id,
             "object": "text_completion",
-            "created": int(time.time()),
+            "created": self.run.created,
             "model": self.plan.request.model,
             "system_fingerprint": self.ctx.fingerprint,
         }
 
-    def _usage(self) -> dict:
-        prompt_tokens = sum(len(p.ids) for p in self.plan.prompts)
-        completion = sum(c.generated for c in self.choices)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {
-                "cached_tokens": sum(c.last.num_cached_tokens for c in self.choices if c.last)
-            },
-        }
-
-    def _time_info(self) -> dict:
-        total = time.perf_counter() - self.started
-        lasts = [c.last for c in self.choices if c.last is not None]
-        queue = min((e.queue_time for e in lasts), default=0.0)
-        prompt = max((e.prompt_time for e in lasts), default=0.0)
-        return {
-            "queue_time": queue,
-            "prompt_time": prompt,
-            "completion_time": max(0.0, total - queue - prompt),
-            "total_time": total,
-            "created": time.time(),
-        }
+    def _body(
+        self, index: int, seq: PipelineSequence, text, token_ids, entries, prompt_entries, finish, first
+    ):
+        prompt = self.plan.prompts[seq.prompt_index]
+        return choice_body(
+            self.plan, self.ctx, index, prompt, text, token_ids, entries, prompt_entries, finish, first
+        )
 
     async def collect(self, is_disconnected) -> dict:
         """Run every sequence to the end and build the CompletionResponse."""
-
-        async def run(k: int) -> None:
-            async for ev in self._generate(k):
-                self.choices[k].absorb(ev)
-
-        tasks = [asyncio.create_task(run(k)) for k in range(len(self.choices))]
-        watcher = asyncio.create_task(_watch(is_disconnected, tasks))
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            watcher.cancel()
-            for t in tasks:
-                t.cancel()
-        failed = next((c for c in self.choices if c.error), None)
-        if failed is not None:
-            raise APIError(
-                failed.last.error_status if failed.last else 500, failed.error or "generation failed"
-            )
+        await self.run.collect(is_disconnected)
         picked = self._pick_best()
-        self._log_texts([c.text for _, c in picked])
+        self._log_texts([s.text for _, s in picked])
         choices = [
-            choice_body(
-                self.plan,
-                self.ctx,
-                idx,
-                c.prompt,
-                c.text,
-                c.token_ids,
-                c.logprobs,
-                c.prompt_logprobs,
-                c.finish_reason,
-                True,
-            )
-            for idx, c in picked
+            self._body(idx, s, s.text, s.token_ids, s.logprobs, s.prompt_logprobs, s.finish_reason, True)
+            for idx, s in picked
         ]
-        return {**self._header(), "choices": choices, "usage": self._usage(), "time_info": self._time_info()}
+        return {
+            **self._header(),
+            "choices": choices,
+            "usage": self.run.usage(),
+            "time_info": self.run.time_info(),
+        }
 
     def _log_texts(self, outputs: list[str]) -> None:
         if self.ctx.log_requests:  # prompts and outputs are private unless the operator asks
-            log.info("%s prompts=%r outputs=%r", self.id, [p.text for p in self.plan.prompts], outputs)
+            log.info("%s prompts=%r outputs=%r", self.run.id, [p.text for p in self.plan.prompts], outputs)
 
-    def _pick_best(self) -> list[tuple[int, Choice]]:
+    def _pick_best(self) -> list[tuple[int, PipelineSequence]]:
         """With best_of > n, the n candidates of each prompt with the highest mean token logprob."""
-        plan = self.plan
+        plan, seqs = self.plan, self.run.seqs
         if plan.best_of == plan.n:
-            return [(c.index, c) for c in self.choices]
+            return [(self._choice_index(k), s) for k, s in enumerate(seqs)]
         out = []
         for i in range(len(plan.prompts)):
-            cands = self.choices[i * plan.best_of : (i + 1) * plan.best_of]
-            ranked = sorted(cands, key=lambda c: c.cumulative / max(1, c.generated), reverse=True)[: plan.n]
-            out.extend((i * plan.n + r, c) for r, c in enumerate(ranked))
+            cands = seqs[i * plan.best_of : (i + 1) * plan.best_of]
+            ranked = sorted(cands, key=lambda s: s.cumulative / max(1, s.generated), reverse=True)[: plan.n]
+            out.extend((i * plan.n + r, s) for r, s in enumerate(ranked))
         return out
 
     async def stream(self) -> AsyncIterator[str]:
-        """SSE lines: completion chunks as tokens arrive, optional usage chunk, then [DONE]."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def run(k: int) -> None:
-            try:
-                async for ev in self._generate(k):
-                    await queue.put((k, ev))
-            except Exception as exc:  # surfaced to the client as an error chunk
-                log.exception("stream failed")
-                await queue.put((k, GenerationEvent("", finished=True, error=f"{type(exc).__name__}")))
-
-        tasks = [asyncio.create_task(run(k)) for k in range(len(self.choices))]
-        include_usage = bool(
-            self.plan.request.stream_options and self.plan.request.stream_options.include_usage
-        )
-        started = [False] * len(self.choices)
-        remaining = len(self.choices)
-        try:
-            while remaining:
-                k, ev = await queue.get()
-                c = self.choices[k]
-                c.absorb(ev)
-                if ev.error:
-                    yield _sse(error_body(ev.error_status, ev.error))
-                    yield "data: [DONE]\n\n"
-                    return
-                if ev.finished:
-                    remaining -= 1
-                if not (ev.text or ev.token_ids or ev.finished or (self.plan.echo and not started[k])):
-                    continue
-                chunk = self._header()
-                chunk["choices"] = [
-                    choice_body(
-                        self.plan,
-                        self.ctx,
-                        c.index,
-                        c.prompt,
-                        ev.text,
-                        ev.token_ids,
-                        ev.logprobs,
-                        ev.prompt_logprobs,
-                        ev.finish_reason if ev.finished else None,
-                        not started[k],
-                    )
-                ]
-                started[k] = True
-                if remaining == 0 and not include_usage:
-                    chunk["time_info"] = self._time_info()
-                yield _sse(chunk)
-            self._log_texts([c.text for c in self.choices])
-            if include_usage:
-                yield _sse(
-                    {**self._header(), "choices": [], "usage": self._usage(), "time_info": self._time_info()}
+        """SSE lines: completion chunks as tokens arrive; the chunk with the last finish_reason also carries usage
+        and time_info (as the hosted service sends them); then [DONE]."""
+        started = [False] * len(self.run.seqs)
+        remaining = len(self.run.seqs)
+        async for k, ev in self.run.events():
+            if ev.error:
+                yield sse(error_body(ev.error_status, ev.error))
+                yield SSE_DONE
+                return
+            if ev.finished:
+                remaining -= 1
+            if not (ev.text or ev.token_ids or ev.finished or (self.plan.echo and not started[k])):
+                continue
+            seq = self.run.seqs[k]
+            chunk = self._header()
+            chunk["choices"] = [
+                self._body(
+                    self._choice_index(k),
+                    seq,
+                    ev.text,
+                    ev.token_ids,
+                    ev.logprobs,
+                    ev.prompt_logprobs,
+                    ev.finish_reason if ev.finished else None,
+                    not started[k],
                 )
-            yield "data: [DONE]\n\n"
-        finally:
-            for t in tasks:
-                t.cancel()
-
-
-async def _watch(is_disconnected, tasks: list[asyncio.Task]) -> None:
-    """Cancel the sequences of a non-streaming request whose client went away."""
-    while True:
-        await asyncio.sleep(0.2)
-        if await is_disconnected():
-            for t in tasks:
-                t.cancel()
-            return
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+            ]
+            started[k] = True
+            if remaining == 0:
+                chunk["usage"], chunk["time_info"] = self.run.usage(), self.run.time_info()
+            yield sse(chunk)
+        self._log_texts([s.text for s in self.run.seqs])
+        yield SSE_DONE
 
 
 def validate_request(obj: dict) -> CompletionRequest:

@@ -1,4 +1,6 @@
-"""Error shapes: 422 as FastAPI's HTTPValidationError, everything else as the spec's ErrorChunkResponse."""
+"""Error shapes. /v1/completions: 422 as FastAPI's HTTPValidationError, everything else as its contract's
+ErrorChunkResponse. /v1/chat/completions: the hosted service's flat ErrorResponse {message, type, param, code} for
+every error, validation failures included (400 wrong_api_format). Type names are the hosted service's."""
 
 from __future__ import annotations
 
@@ -14,13 +16,17 @@ log = logging.getLogger("waferscale.api")
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
-    403: "permission_error",
+    402: "payment_required_error",
+    403: "permission_denied_error",
     404: "not_found_error",
-    413: "request_too_large",
-    415: "unsupported_media_type",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
-    429: "rate_limit_error",
+    429: "too_many_requests_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
 }
+FLAT_PATHS = ("/v1/chat/completions",)  # operations whose contract answers errors as a flat ErrorResponse
 
 
 class APIError(Exception):
@@ -48,16 +54,38 @@ def error_body(status_code: int, message: str, *, param: str | None = None, code
         "status_code": status_code,
         "error": {
             "message": message,
-            "type": _TYPES.get(status_code, "server_error"),
-            "param": param,
-            "code": code,
-            "id": None,
+            "type": _TYPES.get(status_code, "internal_server_error"),
+            "param": param or "",  # the contract's ErrorChunkContent defaults: "" for what is unknown
+            "code": code or "",
+            "id": "",
         },
     }
 
 
-def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
+def flat_error_body(
+    status_code: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict:
+    """The chat contract's ErrorResponse: the hosted service's flat shape, not a wrapper."""
+    return {
+        "message": message,
+        "type": _TYPES.get(status_code, "internal_server_error"),
+        "param": param,
+        "code": code,
+    }
+
+
+def error_response(
+    err: APIError, headers: dict[str, str] | None = None, request: Request | None = None
+) -> JSONResponse:
+    if request is not None and request.url.path in FLAT_PATHS:
+        body = flat_error_body(err.status_code, err.message, param=err.param, code=err.code)
+    else:
+        body = err.body()
+    return JSONResponse(body, status_code=err.status_code, headers=headers)
+
+
+def _is_flat(request: Request) -> bool:
+    return request.url.path in FLAT_PATHS
 
 
 def validation_detail(errors) -> list[dict]:
@@ -67,21 +95,25 @@ def validation_detail(errors) -> list[dict]:
 
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc, exc.headers)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc, exc.headers, request)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
+        if _is_flat(request):  # a header FastAPI validated, e.g.; the chat contract answers 400 flat
+            lines = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+            body = flat_error_body(400, "\n".join(lines), param="validation_error", code="wrong_api_format")
+            return JSONResponse(body, status_code=400)
         return JSONResponse({"detail": validation_detail(exc.errors())}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        return JSONResponse(
-            error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers
-        )
+        build = flat_error_body if _is_flat(request) else error_body
+        return JSONResponse(build(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
+    async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error")
-        return JSONResponse(error_body(500, "internal server error"), status_code=500)
+        build = flat_error_body if _is_flat(request) else error_body
+        return JSONResponse(build(500, "internal server error"), status_code=500)

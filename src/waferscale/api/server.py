@@ -6,21 +6,24 @@ import contextlib
 import logging
 
 import msgpack
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from waferscale import __version__
 from waferscale.api.auth import BearerAuth
-from waferscale.api.completions import (
-    CompletionRun,
-    ServingContext,
-    check_capacity,
-    plan_request,
-    validate_request,
+from waferscale.api.chat import ChatRun, plan_chat, validate_chat_request
+from waferscale.api.chat_schemas import (
+    ChatCompletionRequest,
+    ChatCompletionStreamEvent,
+    CreateChatCompletionResponse,
+    ErrorResponse,
 )
+from waferscale.api.completions import CompletionRun, plan_request, validate_request
 from waferscale.api.decoding import MAX_BODY_BYTES, REQUEST_CONTENT_TYPES, decode_body
-from waferscale.api.errors import APIError, install_handlers
+from waferscale.api.errors import FLAT_PATHS, APIError, install_handlers
+from waferscale.api.pipeline import ServingContext, check_capacity
 from waferscale.api.schemas import (
     CompletionRequest,
     CreateCompletionResponse,
@@ -98,10 +101,31 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         if model_id not in ctx.served_names:
             raise APIError(
                 404,
-                f"model {model_id!r} does not exist; this server serves: {', '.join(ctx.served_names)}",
+                f"Model {model_id!r} does not exist or you do not have access to it; this server serves: "
+                f"{', '.join(ctx.served_names)}",
+                param="model",
                 code="model_not_found",
             )
         return card(model_id)
+
+    async def read_body(request: Request) -> dict:
+        """The decoded request body (JSON or msgpack, optionally gzip), parsed off the event loop."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body is {declared} bytes; the limit is {MAX_BODY_BYTES}")
+        body = await request.body()
+        return await run_in_threadpool(
+            decode_body, body, request.headers.get("content-type"), request.headers.get("content-encoding")
+        )
+
+    def fault_after(request: Request) -> int | None:
+        fault = request.headers.get("x-waferscale-fault-after", "")
+        return int(fault) if ctx.fault_injection and fault.isdigit() else None
+
+    def trace(request: Request, kind: str, user: str | None) -> None:
+        trace_id = request.headers.get("cf-ray") or request.headers.get("x-amz-cf-id")
+        if user or trace_id:
+            log.info("%s request user=%s trace=%s", kind, user, trace_id)
 
     @app.post(
         "/v1/completions",
@@ -119,28 +143,17 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
                     for t in REQUEST_CONTENT_TYPES
                 },
             },
+            "parameters": COMPLETION_HEADERS,
             "security": [{"HTTPBearer": []}],
         },
     )
-    async def completions(
-        request: Request,
-        x_amz_cf_id: str | None = Header(default=None, alias="X-Amz-Cf-Id"),
-        cf_ray: str | None = Header(default=None, alias="CF-RAY"),
-        x_delay_time: float | None = Header(default=None, alias="X-delay-time"),
-    ):
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body is {declared} bytes; the limit is {MAX_BODY_BYTES}")
-        body = await request.body()
-        obj = decode_body(body, request.headers.get("content-type"), request.headers.get("content-encoding"))
+    async def completions(request: Request):
+        obj = await read_body(request)
         req = validate_request(obj)
-        plan = plan_request(req, ctx)
-        check_capacity(plan, ctx)
-        trace = cf_ray or x_amz_cf_id
-        if req.user or trace:
-            log.info("completion request user=%s trace=%s", req.user, trace)
-        fault = request.headers.get("x-waferscale-fault-after", "")
-        run = CompletionRun(plan, ctx, int(fault) if ctx.fault_injection and fault.isdigit() else None)
+        plan = await run_in_threadpool(plan_request, req, ctx)  # tokenization stays off the event loop
+        check_capacity(len(plan.prompts) * plan.best_of, ctx)
+        trace(request, "completion", req.user)
+        run = CompletionRun(plan, ctx, fault_after(request))
         if req.stream:
             return StreamingResponse(
                 run.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -149,6 +162,41 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         if "msgpack" in request.headers.get("accept", ""):
             return Response(msgpack.packb(result), media_type="application/msgpack")
         return JSONResponse(result)
+
+    @app.post(
+        "/v1/chat/completions",
+        tags=["Chat"],
+        summary="Chat",
+        description="Generate the next assistant message for a conversation. With stream=true the response is "
+        "`text/event-stream`.",
+        operation_id="chat_v1_chat_completions_post",
+        dependencies=[Depends(auth)],
+        response_model=CreateChatCompletionResponse,
+        responses={422: {"model": HTTPValidationError, "description": "Validation Error"}},
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    t: {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}
+                    for t in REQUEST_CONTENT_TYPES
+                },
+            },
+            "parameters": CHAT_HEADERS,
+            "security": [{"HTTPBearer": []}],
+        },
+    )
+    async def chat_completions(request: Request):
+        obj = await read_body(request)
+        req = validate_chat_request(obj)
+        plan = await run_in_threadpool(plan_chat, req, ctx)  # templating and tokenization off the event loop
+        check_capacity(plan.n, ctx)
+        trace(request, "chat", req.user)
+        run = ChatRun(plan, ctx, fault_after(request))
+        if req.stream:
+            return StreamingResponse(
+                run.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        return JSONResponse(await run.collect(request.is_disconnected))
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -160,15 +208,27 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
 
 
 def build_openapi(app: FastAPI) -> dict:
-    """FastAPI's document, with the spec's CompletionRequest, validation schemas and bearer scheme."""
-    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    """FastAPI's document under the contracts' title, with their request, response, validation and error schemas
+    (by the contracts' names) and the bearer scheme."""
+    doc = get_openapi(
+        title=CONTRACT_TITLE, version=app.version, description=app.description, routes=app.routes
+    )
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    request_schema = CompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-    schemas.update(request_schema.pop("$defs", {}))
-    schemas["CompletionRequest"] = request_schema
-    validation = HTTPValidationError.model_json_schema(ref_template="#/components/schemas/{model}")
-    schemas.update(validation.pop("$defs", {}))
-    schemas["HTTPValidationError"] = validation
+    ours: set[str] = set()  # names written from our models (FastAPI's renderings of the same names give way)
+    for model in (
+        CompletionRequest,
+        CreateCompletionResponse,
+        HTTPValidationError,
+        ChatCompletionRequest,
+        ErrorResponse,
+        ChatCompletionStreamEvent,
+        CreateChatCompletionResponse,
+    ):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in [*schema.pop("$defs", {}).items(), (model.model_config["title"], schema)]:
+            if name not in ours:  # a name both contracts use keeps the completions shape (the stricter)
+                schemas[name] = sub
+                ours.add(name)
     doc["components"]["securitySchemes"] = {
         "BearerAuth": {
             "type": "http",
@@ -179,51 +239,36 @@ def build_openapi(app: FastAPI) -> dict:
     }
     doc["security"] = [{"BearerAuth": []}]
     ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
-    ok["text/event-stream"] = {  # with stream=true; itemSchema (OpenAPI 3.2) describes each event
-        "itemSchema": {
-            "type": "object",
-            "required": ["data"],
-            "properties": {
-                "data": {
-                    "description": "one CreateCompletionResponse chunk (an ErrorChunkResponse if generation "
-                    "fails), then the literal [DONE]",
-                    "anyOf": [
-                        {"const": "[DONE]"},
-                        {
-                            "type": "string",
-                            "contentMediaType": "application/json",
-                            "contentSchema": {"$ref": "#/components/schemas/CreateCompletionResponse"},
-                        },
-                    ],
-                }
-            },
-        }
-    }
+    # with stream=true, each event's data is one chunk (an ErrorChunkResponse if generation fails), then [DONE]
+    ok["text/event-stream"] = {"schema": {"$ref": "#/components/schemas/CreateCompletionResponse"}}
     ok["application/msgpack"] = {"schema": {"$ref": "#/components/schemas/CreateCompletionResponse"}}
+    chat_ok = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    chat_ok["text/event-stream"] = {"schema": {"$ref": "#/components/schemas/ChatCompletionStreamEvent"}}
     for path in _OPEN_PATHS:
         doc["paths"][path]["get"]["security"] = []  # answered without a key, for load balancers and the SDK
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             codes = _ERROR_CODES.get((method, path), ()) + (() if path in _OPEN_PATHS else (401,))
+            shape = "ErrorResponse" if path in FLAT_PATHS else "ErrorChunkResponse"
             for code in sorted(codes):
                 op["responses"].setdefault(
                     str(code),
                     {
                         "description": _ERROR_DESCRIPTIONS[code],
                         "content": {
-                            "application/json": {
-                                "schema": {"$ref": "#/components/schemas/ErrorChunkResponse"}
-                            }
+                            "application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}
                         },
                     },
                 )
     return doc
 
 
+CONTRACT_TITLE = "Cerebras Inference Chat Completions API"  # both contracts' info.title
 _OPEN_PATHS = ("/health", "/v1/tcp_warming")
 # Errors each operation can answer with (besides 401 where a key is required), all as ErrorChunkResponse.
 _ERROR_CODES = {
     ("post", "/v1/completions"): (400, 404, 413, 415, 429, 500, 503),
+    ("post", "/v1/chat/completions"): (400, 404, 413, 415, 429, 500, 503),
     ("get", "/v1/models/{model_id}"): (404,),
 }
 _ERROR_DESCRIPTIONS = {
@@ -236,3 +281,46 @@ _ERROR_DESCRIPTIONS = {
     500: "Generation failed for this request",
     503: "Not admitted before --queue-timeout, or the server is shutting down",
 }
+
+
+def _header(name: str, title: str, schema: dict, description: str | None = None) -> dict:
+    param = {
+        "in": "header",
+        "name": name,
+        "required": False,
+        "schema": {"anyOf": [schema, {"type": "null"}], "title": title},
+    }
+    if description:
+        param["description"] = description
+    return param
+
+
+# Headers the contracts declare. They are documented here, not validated by FastAPI: the server reads the trace ids
+# for its log and accepts any value of the others, which change nothing here (a header that does nothing is never
+# a reason to refuse a request).
+COMPLETION_HEADERS = [
+    _header("X-Amz-Cf-Id", "X-Amz-Cf-Id", {"type": "string"}),
+    _header("CF-RAY", "Cf-Ray", {"type": "string"}),
+    _header("X-delay-time", "X-Delay-Time", {"type": "number"}),
+]
+CHAT_HEADERS = COMPLETION_HEADERS + [
+    _header(
+        "Content-Encoding",
+        "Content-Encoding",
+        {"enum": ["gzip"], "type": "string"},
+        "When `gzip`, the request body is gzip-compressed (combinable with any supported Content-Type).",
+    ),
+    _header(
+        "queue_threshold",
+        "Queue Threshold",
+        {"pattern": "^[0-9]+$", "type": "string"},
+        "Private Preview. Milliseconds, 50-20000. For service_tier flex/auto: reject up front if the rolling average "
+        "queue time exceeds this.",
+    ),
+    _header(
+        "X-Cerebras-Version-Patch",
+        "X-Cerebras-Version-Patch",
+        {"pattern": "^[0-9]+$", "type": "string"},
+        "API version override (e.g. `2`). Version 2 becomes the default on 2026-07-21.",
+    ),
+]

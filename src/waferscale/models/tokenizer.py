@@ -90,6 +90,7 @@ class ModelTokenizer:
             eos_tok = eos_tok.get("content")
         if isinstance(eos_tok, str) and tok.token_to_id(eos_tok) is not None:
             eos.append(tok.token_to_id(eos_tok))
+        named = _named_special_tokens(tcfg, _read_json(folder / "special_tokens_map.json"))
         template = tcfg.get("chat_template")
         if (
             template is None and (folder / "chat_template.jinja").is_file()
@@ -103,6 +104,7 @@ class ModelTokenizer:
                 eos_token_ids=sorted(set(eos)),
                 bos_token_id=gcfg.get("bos_token_id", config.get("bos_token_id")),
                 chat_template=template,
+                extra={"special_tokens": named},
             ),
         )
 
@@ -172,12 +174,31 @@ class ModelTokenizer:
         eos = meta.get("tokenizer.ggml.eos_token_id")
         eot = meta.get("tokenizer.ggml.eot_token_id")
         eos_ids = sorted({i for i in (eos, eot) if i is not None})
+        # the special-token strings chat templates see, as transformers names them for a GGUF file
+        unk, pad = meta.get("tokenizer.ggml.unknown_token_id"), meta.get("tokenizer.ggml.padding_token_id")
+        ids = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
+        named = {k: tokens[i] for k, i in ids.items() if i is not None and 0 <= i < len(tokens)}
         return cls(
             tok,
             TokenizerInfo(
-                eos_token_ids=eos_ids, bos_token_id=bos, chat_template=meta.get("tokenizer.chat_template")
+                eos_token_ids=eos_ids,
+                bos_token_id=bos,
+                chat_template=meta.get("tokenizer.chat_template"),
+                extra={"special_tokens": named},
             ),
         )
+
+
+def _named_special_tokens(tcfg: dict[str, Any], legacy_map: dict[str, Any]) -> dict[str, str]:
+    """bos_token, eos_token, ... as strings (tokenizer_config.json over the legacy special_tokens_map.json)."""
+    out: dict[str, str] = {}
+    for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
+        value = tcfg.get(name) or legacy_map.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[name] = value
+    return out
 
 
 def _read_json(path: Path) -> dict[str, Any]:

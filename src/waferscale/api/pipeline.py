@@ -1,0 +1,283 @@
+"""The request pipeline both fronts share: the serving context, model and capacity checks, resolving lengths and
+sampling controls, and running a request's sequences on the engine (collected whole, or merged into one stream of
+events) with its usage and time accounting. `completions.py` and `chat.py` only plan and format."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from waferscale.api.errors import APIError
+from waferscale.engine import AsyncEngine, GenerationEvent, SamplingParams, TokenLogprob
+from waferscale.models.tokenizer import ModelTokenizer
+
+log = logging.getLogger("waferscale.api")
+MAX_SEQUENCES = 128  # prompts x candidates in one request
+
+
+@dataclass
+class ServingContext:
+    """What the HTTP layer needs to know about the served model."""
+
+    engine: AsyncEngine
+    tokenizer: ModelTokenizer
+    served_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    fingerprint: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    log_requests: bool = False
+    fault_injection: bool = False  # honour X-Waferscale-Fault-After (testing aid, off unless asked for)
+    max_waiting: int | None = None  # sequences allowed to wait for admission; beyond it, 429
+    rejected: int = 0  # requests turned away with 429
+    draining: bool = False  # shutting down: no new requests
+    chat_template: object | None = None  # models.chat_template.ChatTemplate, built once at start
+
+
+def check_model(name: str, ctx: ServingContext) -> None:
+    """404 in the hosted service's words when `name` is not served here."""
+    if name not in ctx.served_names:
+        raise APIError(
+            404,
+            f"Model {name!r} does not exist or you do not have access to it; this server serves: "
+            f"{', '.join(ctx.served_names)}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_capacity(num_sequences: int, ctx: ServingContext) -> None:
+    """429 with Retry-After when the waiting queue is full (a request that alone exceeds it waits for an empty
+    queue, so it is never refused forever); 503 while shutting down."""
+    if ctx.draining:
+        raise APIError(
+            503, "the server is shutting down; retry against another instance", code="shutting_down"
+        )
+    if ctx.max_waiting is None:
+        return
+    waiting = ctx.engine.num_waiting()
+    if waiting and waiting + num_sequences > ctx.max_waiting:
+        ctx.rejected += 1
+        raise APIError(
+            429,
+            f"the server is at capacity ({waiting} sequences waiting, limit {ctx.max_waiting}); retry shortly",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
+
+
+def resolve_logit_bias(bias: dict[str, float] | None, ctx: ServingContext) -> dict[int, float]:
+    """Token-id keys checked against the vocabulary and values against -100..100."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < ctx.vocab_size:
+            raise APIError(
+                400,
+                f"logit_bias key {key!r} is not a token id of this model (0..{ctx.vocab_size - 1})",
+                param="logit_bias",
+            )
+        if not -100 <= value <= 100:
+            raise APIError(
+                400, f"logit_bias value {value} for token {key} is outside -100..100", param="logit_bias"
+            )
+        out[token] = float(value)
+    return out
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def token_limits(
+    prompt_len: int,
+    max_tokens: int | None,
+    min_tokens: int | None,
+    ctx: ServingContext,
+    *,
+    max_param: str,
+    too_long: Callable[[int, int], str] | None = None,
+) -> tuple[int, int]:
+    """(max_tokens, min_tokens) for a prompt of `prompt_len` tokens: -1 or unset means "up to the context"; a
+    request that cannot fit the context is a 400 naming the field to change."""
+    room = ctx.max_model_len - prompt_len
+    if room <= 0:
+        message = (
+            too_long(prompt_len, ctx.max_model_len)
+            if too_long
+            else f"prompt is {prompt_len} tokens; the model's context length is {ctx.max_model_len}"
+        )
+        raise APIError(400, message, param="prompt", code="context_length_exceeded")
+    limit = room if max_tokens in (None, -1) else max_tokens
+    if limit > room:
+        message = (
+            too_long(prompt_len + limit, ctx.max_model_len)
+            if too_long
+            else f"prompt ({prompt_len} tokens) plus {max_param} ({limit}) is {prompt_len + limit}, over the model's "
+            f"context length of {ctx.max_model_len}"
+        )
+        raise APIError(400, message, param=max_param, code="context_length_exceeded")
+    least = room if min_tokens == -1 else (min_tokens or 0)
+    return limit, min(least, limit)
+
+
+@dataclass
+class Sequence:
+    """What the front has seen of one engine sequence (one choice or candidate)."""
+
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    generated: int = 0
+    cumulative: float = 0.0
+    error: str | None = None
+    last: GenerationEvent | None = None
+
+    def absorb(self, ev: GenerationEvent) -> None:
+        self.text += ev.text
+        self.token_ids += ev.token_ids
+        self.logprobs += ev.logprobs
+        if ev.prompt_logprobs:
+            self.prompt_logprobs = ev.prompt_logprobs
+        self.generated = ev.num_generated_tokens
+        self.cumulative = ev.cumulative_logprob
+        if ev.finished:
+            self.finish_reason, self.error, self.last = ev.finish_reason, ev.error, ev
+
+
+class Run:
+    """A request's sequences on the engine: prompt `i` of `prompts` runs `per_prompt` times with `params[i]`
+    (seeded candidates draw seed, seed+1, ...). Keeps one id and one `created` for the whole request."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        id_prefix: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        per_prompt: int,
+        fail_after: int | None = None,
+    ):
+        import uuid
+
+        self.ctx, self.prompts, self.params, self.per_prompt = ctx, prompts, params, per_prompt
+        self.fail_after = fail_after
+        self.id = f"{id_prefix}-{uuid.uuid4()}"
+        self.created = int(time.time())
+        self.started = time.perf_counter()
+        self.seqs = [Sequence(i) for i in range(len(prompts)) for _ in range(per_prompt)]
+
+    def _generate(self, k: int) -> AsyncIterator[GenerationEvent]:
+        i = self.seqs[k].prompt_index
+        params = self.params[i]
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + k % self.per_prompt)
+        if self.fail_after is not None:
+            params = dataclasses.replace(params, fail_after=self.fail_after)
+        return self.ctx.engine.generate(f"{self.id}-{k}", self.prompts[i], params)
+
+    async def collect(self, is_disconnected) -> None:
+        """Run every sequence to its end; a failed sequence fails the request with its status."""
+
+        async def run(k: int) -> None:
+            async for ev in self._generate(k):
+                self.seqs[k].absorb(ev)
+
+        tasks = [asyncio.create_task(run(k)) for k in range(len(self.seqs))]
+        watcher = asyncio.create_task(_watch(is_disconnected, tasks))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            watcher.cancel()
+            for t in tasks:
+                t.cancel()
+        failed = next((s for s in self.seqs if s.error), None)
+        if failed is not None:
+            raise APIError(
+                failed.last.error_status if failed.last else 500, failed.error or "generation failed"
+            )
+
+    async def events(self) -> AsyncIterator[tuple[int, GenerationEvent]]:
+        """Every sequence's events as they come, merged, as (sequence index, event); ends when all have finished.
+        An exception in a sequence becomes its error event."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def run(k: int) -> None:
+            try:
+                async for ev in self._generate(k):
+                    await queue.put((k, ev))
+            except Exception as exc:  # surfaced to the client as an error chunk
+                log.exception("stream failed")
+                await queue.put((k, GenerationEvent("", finished=True, error=f"{type(exc).__name__}")))
+
+        tasks = [asyncio.create_task(run(k)) for k in range(len(self.seqs))]
+        remaining = len(self.seqs)
+        try:
+            while remaining:
+                k, ev = await queue.get()
+                self.seqs[k].absorb(ev)
+                if ev.finished:
+                    remaining -= 1
+                yield k, ev
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def usage(self, completion_details: dict | None = None) -> dict:
+        """Prompt tokens once per prompt, cached tokens once per prompt (never above its length)."""
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        cached = 0
+        for i, p in enumerate(self.prompts):
+            hits = [s.last.num_cached_tokens for s in self.seqs if s.prompt_index == i and s.last]
+            cached += min(max(hits, default=0), len(p))
+        completion = sum(s.generated for s in self.seqs)
+        out = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        if completion_details is not None:
+            out["completion_tokens_details"] = completion_details
+        return out
+
+    def time_info(self) -> dict:
+        total = time.perf_counter() - self.started
+        lasts = [s.last for s in self.seqs if s.last is not None]
+        queue = min((e.queue_time for e in lasts), default=0.0)
+        prompt = max((e.prompt_time for e in lasts), default=0.0)
+        return {
+            "queue_time": queue,
+            "prompt_time": prompt,
+            "completion_time": max(0.0, total - queue - prompt),
+            "total_time": total,
+            "created": time.time(),
+        }
+
+
+async def _watch(is_disconnected, tasks: list[asyncio.Task]) -> None:
+    """Cancel the sequences of a non-streaming request whose client went away."""
+    while True:
+        await asyncio.sleep(0.2)
+        if await is_disconnected():
+            for t in tasks:
+                t.cancel()
+            return
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
