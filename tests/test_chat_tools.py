@@ -54,7 +54,13 @@ def assert_valid_calls(calls: list[dict]) -> None:
 
 def test_required_makes_a_valid_call(http):
     body = chat(
-        http, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=80, temperature=0
+        http,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
     )
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
@@ -284,4 +290,5 @@ def test_json_schema_needs_a_name(http):
 
 def test_raw_reasoning_with_json_is_accepted_for_a_model_without_reasoning(http):
     body = chat(http, response_format={"type": "json_object"}, reasoning_format="raw", max_tokens=4)
-    assert body["choices"][0]["message"]["content"].lstrip().startswith("{")
+    message = body["choices"][0]["message"]
+    assert "reasoning" not in message and message["content"].strip()[:1] in ("", "{")
