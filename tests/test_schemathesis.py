@@ -15,6 +15,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 OPERATIONS = [
     ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model_id}"),
     ("GET", "/v1/tcp_warming"),
@@ -53,9 +54,11 @@ def _adjust(case, mode) -> None:
     """Bound generation, and aim most valid bodies at the served model (a random name is a 404, which says little)."""
     body = case.body
     if isinstance(body, dict):
-        mt = body.get("max_tokens")
-        if type(mt) is not int or mt < 0 or mt > MAX_TOKENS:
-            body["max_tokens"] = MAX_TOKENS  # null or -1 would generate to the end of the context
+        for key in ("max_tokens", "max_completion_tokens"):
+            mt = body.get(key)
+            if key in body or key == "max_tokens":
+                if type(mt) is not int or mt < 0 or mt > MAX_TOKENS:
+                    body[key] = MAX_TOKENS  # null or -1 would generate to the end of the context
         if mode == GenerationMode.POSITIVE and isinstance(body.get("model"), str) and next(_TURN) % 4:
             body["model"] = MODEL  # three cases in four; the fourth keeps its generated name
     params = case.path_parameters
@@ -78,7 +81,7 @@ RUNS = [
 def test_generated_requests_get_conforming_answers(api_schema, keyed_server, method, path, mode):
     operation = api_schema[path][method]
     statuses = []
-    examples = 300 if path == "/v1/completions" else 200
+    examples = {"/v1/completions": 300, "/v1/chat/completions": 250}.get(path, 200)
 
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
