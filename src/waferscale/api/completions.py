@@ -13,9 +13,16 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError as PydanticValidationError
 
-from waferscale.api.errors import APIError, error_body
+from waferscale.api.errors import APIError, engine_error
 from waferscale.api.schemas import CompletionRequest
-from waferscale.engine import AsyncEngine, GenerationEvent, SamplingParams, TokenLogprob
+from waferscale.engine import (
+    AsyncEngine,
+    ErrorKind,
+    GenerationEvent,
+    RequestError,
+    SamplingParams,
+    TokenLogprob,
+)
 from waferscale.engine.detokenizer import IncrementalDetokenizer
 from waferscale.engine.grammar import open_json_suffix
 from waferscale.models.tokenizer import ModelTokenizer
@@ -283,7 +290,7 @@ class Choice:
     finish_reason: str | None = None
     generated: int = 0
     cumulative: float = 0.0
-    error: str | None = None
+    error: RequestError | None = None
     last: GenerationEvent | None = None
 
     def absorb(self, ev: GenerationEvent) -> None:
@@ -354,7 +361,7 @@ class CompletionRun:
         if params.seed is not None:  # each candidate of a prompt draws its own stream: seed, seed+1, ...
             params = dataclasses.replace(params, seed=params.seed + k % self.plan.best_of)
         if self.fail_after is not None:
-            params = dataclasses.replace(params, fail_after=self.fail_after)
+            self.ctx.engine.inject_fault(f"{self.id}-{k}", self.fail_after)
         return self.ctx.engine.generate(f"{self.id}-{k}", c.prompt.ids, params)
 
     def _header(self) -> dict:
@@ -373,10 +380,17 @@ class CompletionRun:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {
-                "cached_tokens": sum(c.last.num_cached_tokens for c in self.choices if c.last)
-            },
+            "prompt_tokens_details": {"cached_tokens": self._cached_tokens()},
         }
+
+    def _cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, once per prompt (its n/best_of candidates share them)."""
+        per_prompt: dict[int, int] = {}
+        for k, c in enumerate(self.choices):
+            if c.last is not None:
+                i = k // self.plan.best_of
+                per_prompt[i] = max(per_prompt.get(i, 0), min(c.last.num_cached_tokens, len(c.prompt.ids)))
+        return sum(per_prompt.values())
 
     def _time_info(self) -> dict:
         total = time.perf_counter() - self.started
@@ -408,9 +422,7 @@ class CompletionRun:
                 t.cancel()
         failed = next((c for c in self.choices if c.error), None)
         if failed is not None:
-            raise APIError(
-                failed.last.error_status if failed.last else 500, failed.error or "generation failed"
-            )
+            raise engine_error(failed.error)
         picked = self._pick_best()
         self._log_texts([c.text for _, c in picked])
         choices = [
@@ -446,8 +458,9 @@ class CompletionRun:
             out.extend((i * plan.n + r, c) for r, c in enumerate(ranked))
         return out
 
-    async def stream(self) -> AsyncIterator[str]:
-        """SSE lines: completion chunks as tokens arrive, optional usage chunk, then [DONE]."""
+    async def start_stream(self) -> AsyncIterator[str]:
+        """Wait until every sequence is admitted and has its first event, then return the SSE body; a sequence
+        refused before that (overloaded, invalid, unavailable) raises its APIError, so the client gets a real status."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def run(k: int) -> None:
@@ -456,9 +469,27 @@ class CompletionRun:
                     await queue.put((k, ev))
             except Exception as exc:  # surfaced to the client as an error chunk
                 log.exception("stream failed")
-                await queue.put((k, GenerationEvent("", finished=True, error=f"{type(exc).__name__}")))
+                error = RequestError(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}")
+                await queue.put((k, GenerationEvent("", finished=True, error=error)))
 
         tasks = [asyncio.create_task(run(k)) for k in range(len(self.choices))]
+        early: list = []
+        try:
+            heard: set[int] = set()
+            while len(heard) < len(self.choices):
+                k, ev = await queue.get()
+                if ev.error:
+                    raise engine_error(ev.error)
+                heard.add(k)
+                early.append((k, ev))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        return self._stream(queue, tasks, early)
+
+    async def _stream(self, queue: asyncio.Queue, tasks: list[asyncio.Task], early: list) -> AsyncIterator[str]:
+        """SSE lines: completion chunks as tokens arrive, optional usage chunk, then [DONE]."""
         include_usage = bool(
             self.plan.request.stream_options and self.plan.request.stream_options.include_usage
         )
@@ -466,11 +497,11 @@ class CompletionRun:
         remaining = len(self.choices)
         try:
             while remaining:
-                k, ev = await queue.get()
+                k, ev = early.pop(0) if early else await queue.get()
                 c = self.choices[k]
                 c.absorb(ev)
                 if ev.error:
-                    yield _sse(error_body(ev.error_status, ev.error))
+                    yield _sse(engine_error(ev.error).body())
                     yield "data: [DONE]\n\n"
                     return
                 if ev.finished:

@@ -20,7 +20,6 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: str | None = None  # a grammar_root name: constrain the output to that built-in grammar
     lark: str | None = None  # or a whole Lark grammar (llguidance dialect): chat's tools and response formats
-    fail_after: int | None = None  # fault injection for tests: raise after this many generated tokens
 
     @property
     def greedy(self) -> bool:
