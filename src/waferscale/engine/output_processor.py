@@ -168,8 +168,8 @@ class OutputProcessor:
                     offset=len(seq.detokenizer.text),
                 )
             )
-        if index < params.min_tokens:
-            seq.detokenizer.add(token)
+        if index < params.min_tokens:  # stop strings do not count yet, nor cut the text
+            seq.detokenizer.add(token, check_stops=False)
             seq.detokenizer.ignore_stops_so_far()
         elif seq.detokenizer.add(token) is not None:
             seq.finish_reason = "stop"
