@@ -64,6 +64,7 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             queue_timeout=queue_timeout,
+            max_model_len=self.max_model_len,
         )
         self.runner = ModelRunner(self.model, self.pool, self.native, block_size)
         self.faults = FaultHooks()
@@ -174,10 +175,14 @@ class LLMEngine:
         self.scheduler.computed(batch)
         for seq, first, pos, count in out.score_rows:
             self.output.score_prompt(seq, out.hidden[first : first + count], pos)
-        if not out.sample_rows:
-            return []
-        logits = self.runner.logits(out.hidden[[r for _, r in out.sample_rows]])
-        return self.output.sample([seq for seq, _ in out.sample_rows], logits)
+        events = []
+        if out.sample_rows:
+            logits = self.runner.logits(out.hidden[[r for _, r in out.sample_rows]])
+            events = self.output.sample([seq for seq, _ in out.sample_rows], logits)
+        for seq, first, count in out.draft_rows:
+            events += self.output.verify(seq, self.runner.logits(out.hidden[first : first + count]))
+            self.scheduler.settle_drafts(seq)
+        return events
 
     def _drain_early(self) -> list[GenerationEvent]:
         events, self._early_events = self._early_events, []

@@ -17,6 +17,7 @@ class ForwardOutput:
     hidden: torch.Tensor
     sample_rows: list[tuple[Sequence, int]] = field(default_factory=list)  # sequences to sample, their row
     score_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # prompt logprobs: seq, row, pos, n
+    draft_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)  # seqs with drafts: first row, count
 
 
 class ModelRunner:
@@ -62,19 +63,24 @@ class ModelRunner:
         row = len(decodes)
         sample_rows: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(decodes)]
         score_rows: list[tuple[Sequence, int, int, int]] = []
+        draft_rows: list[tuple[Sequence, int, int]] = []
         for seq, chunk in prefills:
             start = seq.num_computed
             end = start + chunk
-            ids.extend(seq.token_ids[start:end])
+            if seq.drafts:  # the last token and the prediction's drafts: every row is sampled
+                ids.extend(seq.token_ids[start:] + seq.drafts)
+                draft_rows.append((seq, row, chunk))
+            else:
+                ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.append(self._slots(seq, start, end))
             table = torch.tensor(seq.block_table[: -(-end // self.block_size)])
             paged.prefills.append((row, row + chunk, table, start, end))
             if seq.params.prompt_logprobs and not seq.prompt_logprobs_sent:
                 score_rows.append((seq, row, start, chunk))
-            if end == len(seq.token_ids):
+            if end == len(seq.token_ids) and not seq.drafts:
                 sample_rows.append((seq, row + chunk - 1))
             row += chunk
         paged.slots = torch.cat(slots)
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), paged)
-        return ForwardOutput(hidden, sample_rows, score_rows)
+        return ForwardOutput(hidden, sample_rows, score_rows, draft_rows)

@@ -63,6 +63,47 @@ class OutputProcessor:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[GenerationEvent]:
         """Sample the next token of every sequence from its row of `logits`, in one batched draw."""
         events: list[GenerationEvent] = []
+        for seq, token, lp, top in self._pick(seqs, logits, events):
+            try:
+                self.accept(seq, token, lp, top)
+            except Exception as exc:
+                log.warning("sampling failed for %s: %s", seq.request_id, exc)
+                events.append(self.fail(seq, internal_error(exc)))
+                continue
+            events.append(self.event(seq))
+        return events
+
+    def verify(self, seq: Sequence, logits: torch.Tensor) -> list[GenerationEvent]:
+        """Sample position by position over the rows of seq's last token and its drafts (its usual controls and
+        grammar), accepting while the sampled token is the draft; the first other sample is still a correct one
+        and is kept, the drafts after it are not."""
+        events: list[GenerationEvent] = []
+        drafts, accepted = seq.drafts, 0
+        for j in range(len(drafts) + 1):
+            picks = self._pick([seq], logits[j : j + 1], events)
+            if not picks:
+                break
+            _, token, lp, top = picks[0]
+            try:
+                self.accept(seq, token, lp, top)
+            except Exception as exc:
+                log.warning("sampling failed for %s: %s", seq.request_id, exc)
+                events.append(self.fail(seq, internal_error(exc)))
+                break
+            hit = j < len(drafts) and token == drafts[j]
+            accepted += hit
+            if not hit or seq.finished:
+                break
+        seq.accepted_prediction_tokens += accepted
+        seq.rejected_prediction_tokens += len(drafts) - accepted
+        if seq.error is None:
+            events.append(self.event(seq))
+        return events
+
+    def _pick(
+        self, seqs: list[Sequence], logits: torch.Tensor, events: list[GenerationEvent]
+    ) -> list[tuple[Sequence, int, float, list[tuple[int, float]]]]:
+        """The sampled token of each sequence with its logprob and top alternatives (failures go to `events`)."""
         allowed = self._grammar_masks(seqs, events)
         # logprobs are of the model's own distribution (see docs/api.md): logit - logsumexp, without materialising
         # a whole log_softmax of the batch; a NaN anywhere in a row makes its logsumexp NaN
@@ -104,7 +145,7 @@ class OutputProcessor:
                 continue
             rows.append(i)
         if not rows:
-            return events
+            return []
         redrawn = [i for i in rows if i in overrides and seqs[i].params.greedy]
         # greedy rows after their controls: their argmax from one native pass, not torch's per row
         if argmax is not None and redrawn:
@@ -123,17 +164,12 @@ class OutputProcessor:
         top_v, top_i = torch.topk(logits, k_max) if k_max else (None, None)
         if k_max:
             top_v = top_v - lse
+        out = []
         for j, (seq, token) in enumerate(zip(picked, tokens)):
-            try:
-                k = seq.params.logprobs or 0
-                top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist())) if k else []
-                self.accept(seq, token, chosen[j], top)
-            except Exception as exc:
-                log.warning("sampling failed for %s: %s", seq.request_id, exc)
-                events.append(self.fail(seq, internal_error(exc)))
-                continue
-            events.append(self.event(seq))
-        return events
+            k = seq.params.logprobs or 0
+            top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist())) if k else []
+            out.append((seq, token, chosen[j], top))
+        return out
 
     # ------------------------------------------------------------------ finish checks
     def accept(self, seq: Sequence, token: int, lp: float, top: list[tuple[int, float]]) -> None:
@@ -226,6 +262,8 @@ class OutputProcessor:
                 num_cached_tokens=seq.num_cached,
                 num_generated_tokens=seq.num_generated,
                 cumulative_logprob=seq.cumulative_logprob,
+                accepted_prediction_tokens=seq.accepted_prediction_tokens,
+                rejected_prediction_tokens=seq.rejected_prediction_tokens,
             )
         if seq.finished:
             self.release(seq)

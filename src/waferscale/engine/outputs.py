@@ -36,3 +36,5 @@ class GenerationEvent:
     queue_time: float = 0.0
     prompt_time: float = 0.0
     completion_time: float = 0.0
+    accepted_prediction_tokens: int = 0  # draft tokens of a predicted output that the model confirmed
+    rejected_prediction_tokens: int = 0  # draft tokens proposed but not accepted

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from waferscale.engine.block_manager import BlockManager
 from waferscale.engine.errors import ErrorKind, RequestError
+from waferscale.engine.prediction import MAX_DRAFT, propose
 from waferscale.engine.sequence import Sequence
 
 
@@ -35,12 +36,14 @@ class Scheduler:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         queue_timeout: float | None = None,
+        max_model_len: int = 1 << 30,
     ):
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, 1)
         self.queue_timeout = queue_timeout  # seconds a request may wait for its first admission
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -79,17 +82,25 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        taken: set[int] = set()
         for seq in list(self.running):
             if seq.finished or seq.remaining != 1 or not seq.num_generated or budget <= 0:
                 continue
             if seq not in self.running:  # preempted while making room for an older sequence
                 continue
-            if not self._ensure_blocks(seq, len(seq.token_ids)):
+            drafts = self._drafts(seq, budget - 1) if seq.params.prediction else []
+            if not self._ensure_blocks(seq, len(seq.token_ids) + len(drafts)):
                 continue  # seq itself was preempted
+            taken.add(id(seq))
+            if drafts:  # the last token and the drafts run as one chunk over the cached prefix
+                seq.drafts = drafts
+                out.prefills.append((seq, 1 + len(drafts)))
+                budget -= 1 + len(drafts)
+                continue
             out.decodes.append(seq)
             budget -= 1
         for seq in self.running:
-            if seq in out.decodes or seq.finished or seq.remaining <= 0 or budget <= 0:
+            if id(seq) in taken or seq.finished or seq.remaining <= 0 or budget <= 0:
                 continue
             chunk = min(seq.remaining, budget)
             out.prefills.append((seq, chunk))
@@ -115,6 +126,18 @@ class Scheduler:
             budget -= chunk
         self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Prediction tokens to verify after seq's last token, within the budget, max_tokens and the context."""
+        k = min(MAX_DRAFT, budget, seq.params.max_tokens - seq.num_generated - 1,
+                self.max_model_len - len(seq.token_ids))
+        drafts, seq.prediction_anchor = propose(seq.params.prediction, seq.output_ids, seq.prediction_anchor, k)
+        return drafts
+
+    def settle_drafts(self, seq: Sequence) -> None:
+        """After verification: only the accepted drafts' keys and values count (the rest are overwritten later)."""
+        seq.num_computed = min(seq.num_computed, len(seq.token_ids) - 1)
+        seq.drafts = []
 
     def computed(self, batch: ScheduledBatch) -> None:
         """After the forward: the scheduled tokens are in the cache; full blocks join the prefix cache."""

@@ -42,6 +42,10 @@ class Sequence:
     scheduled_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float = 0.0
+    drafts: list[int] = field(default_factory=list)  # prediction tokens run in this step, verified when sampled
+    prediction_anchor: tuple[int, int] = (0, 0)  # see prediction.propose
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
