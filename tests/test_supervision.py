@@ -114,3 +114,11 @@ def test_when_the_engine_thread_dies_health_is_503_and_requests_fail_at_once(app
     r = app.post("/v1/completions", json={**body, "stream": True})
     assert r.status_code == 503
     assert time.perf_counter() - started < 5
+
+
+def test_cached_tokens_count_once_per_prompt_and_never_exceed_prompt_tokens(app, engine):
+    ids = engine.tokenizer.encode("The history of the printing press " * 40)[:161]  # 10 full blocks + 1 token
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "n": 4, "temperature": 1.0, "seed": 1}
+    usage = app.post("/v1/completions", json=body).json()["usage"]
+    # the first choice computes the prompt, the other three take its 160 cached tokens: counted once, not thrice
+    assert usage["prompt_tokens"] == 161 and usage["prompt_tokens_details"]["cached_tokens"] == 160
