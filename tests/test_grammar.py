@@ -197,7 +197,7 @@ def test_a_failing_grammar_ends_only_its_request(engine):
     bad = next(s for s in engine.waiting if s.request_id == "bad")
     bad.matcher.consume_token(engine.tokenizer.encode("zzz")[0])  # a token the grammar forbids: error state
     texts, finished = run_to_end(engine)
-    assert "grammar" in finished["bad"].error
+    assert "grammar" in finished["bad"].error.message
     assert finished["good"].error is None and isinstance(json.loads(texts["good"]), dict)
     assert finished["free"].error is None and finished["free"].num_generated_tokens == 16
     assert engine.blocks.num_used == 0

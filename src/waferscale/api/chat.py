@@ -20,7 +20,7 @@ from tokenizers import decoders
 
 from waferscale.api import tools as tooling
 from waferscale.api.chat_schemas import ChatCompletionRequest, TextContent
-from waferscale.api.errors import APIError, error_body
+from waferscale.api.errors import APIError, engine_error
 from waferscale.api.pipeline import (
     MAX_SEQUENCES,
     SSE_DONE,
@@ -383,7 +383,9 @@ class ChoiceOutput:
             self.content = self.answer
             return [], late
         prefix = CALL_PREFIX[self.plan.syntax]
-        if content and self.plan.syntax == "hermes" and prefix in content:  # a further call cut short by the limit
+        if (
+            content and self.plan.syntax == "hermes" and prefix in content
+        ):  # a further call cut short by the limit
             content = content[: content.index(prefix)].strip()
         self.content = content or ""
         made = [
@@ -479,7 +481,7 @@ class ChatRun:
         remaining = self.plan.n
         async for k, ev in self.run.events():
             if ev.error:
-                yield sse(error_body(ev.error_status, ev.error))
+                yield sse(engine_error(ev.error).body())
                 yield SSE_DONE
                 return
             out = self.outputs[k]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError as PydanticValidationError
 
-from waferscale.api.errors import APIError, error_body
+from waferscale.api.errors import APIError, engine_error
 from waferscale.api.pipeline import (
     MAX_SEQUENCES,
     SSE_DONE,
@@ -301,7 +301,7 @@ class CompletionRun:
         remaining = len(self.run.seqs)
         async for k, ev in self.run.events():
             if ev.error:
-                yield sse(error_body(ev.error_status, ev.error))
+                yield sse(engine_error(ev.error).body())
                 yield SSE_DONE
                 return
             if ev.finished:

@@ -11,6 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from waferscale.engine.errors import ErrorKind, RequestError
+
 log = logging.getLogger("waferscale.api")
 
 _TYPES = {
@@ -60,6 +62,22 @@ def error_body(status_code: int, message: str, *, param: str | None = None, code
             "id": "",
         },
     }
+
+
+# The one place an engine error kind becomes an HTTP status (and an error code the client can branch on).
+_KIND_STATUS = {
+    ErrorKind.INVALID_REQUEST: (400, None),
+    ErrorKind.OVERLOADED: (503, "overloaded"),
+    ErrorKind.SHUTTING_DOWN: (503, "shutting_down"),
+    ErrorKind.UNAVAILABLE: (503, "engine_unavailable"),
+    ErrorKind.INTERNAL: (500, None),
+}
+
+
+def engine_error(err: RequestError) -> APIError:
+    """The APIError for an engine's error: status and code from its kind, its message and param as they are."""
+    status, code = _KIND_STATUS.get(err.kind, (500, None))
+    return APIError(status, err.message, param=err.param, code=code)
 
 
 def flat_error_body(

@@ -12,8 +12,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from waferscale.api.errors import APIError
-from waferscale.engine import AsyncEngine, GenerationEvent, SamplingParams, TokenLogprob
+from waferscale.api.errors import APIError, engine_error
+from waferscale.engine import (
+    AsyncEngine,
+    ErrorKind,
+    GenerationEvent,
+    RequestError,
+    SamplingParams,
+    TokenLogprob,
+)
 from waferscale.models.tokenizer import ModelTokenizer
 
 log = logging.getLogger("waferscale.api")
@@ -141,7 +148,7 @@ class Sequence:
     finish_reason: str | None = None
     generated: int = 0
     cumulative: float = 0.0
-    error: str | None = None
+    error: RequestError | None = None
     last: GenerationEvent | None = None
 
     def absorb(self, ev: GenerationEvent) -> None:
@@ -183,12 +190,13 @@ class Run:
         params = self.params[i]
         if params.seed is not None:
             params = dataclasses.replace(params, seed=params.seed + k % self.per_prompt)
+        request_id = f"{self.id}-{k}"
         if self.fail_after is not None:
-            params = dataclasses.replace(params, fail_after=self.fail_after)
-        return self.ctx.engine.generate(f"{self.id}-{k}", self.prompts[i], params)
+            self.ctx.engine.inject_fault(request_id, self.fail_after)
+        return self.ctx.engine.generate(request_id, self.prompts[i], params)
 
     async def collect(self, is_disconnected) -> None:
-        """Run every sequence to its end; a failed sequence fails the request with its status."""
+        """Run every sequence to its end; a failed sequence fails the request with its error's status."""
 
         async def run(k: int) -> None:
             async for ev in self._generate(k):
@@ -204,34 +212,50 @@ class Run:
                 t.cancel()
         failed = next((s for s in self.seqs if s.error), None)
         if failed is not None:
-            raise APIError(
-                failed.last.error_status if failed.last else 500, failed.error or "generation failed"
-            )
+            raise engine_error(failed.error)
 
-    async def events(self) -> AsyncIterator[tuple[int, GenerationEvent]]:
-        """Every sequence's events as they come, merged, as (sequence index, event); ends when all have finished.
-        An exception in a sequence becomes its error event."""
-        queue: asyncio.Queue = asyncio.Queue()
+    async def start(self) -> None:
+        """Start every sequence and wait for each one's first event, so that a request the engine refuses
+        (overloaded, invalid, unavailable) gets a real HTTP status instead of a 200 and an error chunk."""
+        self._queue: asyncio.Queue = asyncio.Queue()
 
         async def run(k: int) -> None:
             try:
                 async for ev in self._generate(k):
-                    await queue.put((k, ev))
+                    await self._queue.put((k, ev))
             except Exception as exc:  # surfaced to the client as an error chunk
                 log.exception("stream failed")
-                await queue.put((k, GenerationEvent("", finished=True, error=f"{type(exc).__name__}")))
+                error = RequestError(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}")
+                await self._queue.put((k, GenerationEvent("", finished=True, error=error)))
 
-        tasks = [asyncio.create_task(run(k)) for k in range(len(self.seqs))]
+        self._tasks = [asyncio.create_task(run(k)) for k in range(len(self.seqs))]
+        self._early: list[tuple[int, GenerationEvent]] = []
+        heard: set[int] = set()
+        try:
+            while len(heard) < len(self.seqs):
+                k, ev = await self._queue.get()
+                if ev.error:
+                    raise engine_error(ev.error)
+                heard.add(k)
+                self._early.append((k, ev))
+        except BaseException:
+            for t in self._tasks:
+                t.cancel()
+            raise
+
+    async def events(self) -> AsyncIterator[tuple[int, GenerationEvent]]:
+        """After `start`: every sequence's events as they come, merged, as (sequence index, event); ends when all
+        have finished. An exception in a sequence becomes its error event."""
         remaining = len(self.seqs)
         try:
             while remaining:
-                k, ev = await queue.get()
+                k, ev = self._early.pop(0) if self._early else await self._queue.get()
                 self.seqs[k].absorb(ev)
                 if ev.finished:
                     remaining -= 1
                 yield k, ev
         finally:
-            for t in tasks:
+            for t in self._tasks:
                 t.cancel()
 
     def usage(self, completion_details: dict | None = None) -> dict:

@@ -23,6 +23,7 @@ from waferscale.api.chat_schemas import (
 from waferscale.api.completions import CompletionRun, plan_request, validate_request
 from waferscale.api.decoding import MAX_BODY_BYTES, REQUEST_CONTENT_TYPES, decode_body
 from waferscale.api.errors import FLAT_PATHS, APIError, install_handlers
+from waferscale.api.metrics import CONTENT_TYPE, make_registry, render
 from waferscale.api.pipeline import ServingContext, check_capacity
 from waferscale.api.schemas import (
     CompletionRequest,
@@ -57,6 +58,8 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
 
     @app.get("/health", tags=["Server"])
     async def health() -> dict:
+        if not ctx.engine.healthy():  # the engine thread has ended: nothing will be served
+            raise APIError(503, "the inference engine is not running", code="engine_unavailable")
         return {"status": "ok"}
 
     @app.get("/v1/tcp_warming", tags=["Server"])
@@ -64,30 +67,12 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         """The official SDK calls this when a client is constructed; it answers at once."""
         return {"status": "ok"}
 
+    registry = make_registry(ctx.engine.stats, lambda: {"rejected_requests": ctx.rejected})
+
     @app.get("/metrics", tags=["Server"], response_class=PlainTextResponse, dependencies=[Depends(auth)])
-    async def metrics() -> str:
-        """Prometheus text format: engine queue, KV cache and prefix-cache counters."""
-        stats = {**ctx.engine.engine.stats(), "rejected_requests": ctx.rejected}
-        kinds = {
-            "generated_tokens": "counter",
-            "preemptions": "counter",
-            "queue_timeouts": "counter",
-            "rejected_requests": "counter",
-            "prefix_cache_queries": "counter",
-            "prefix_cache_hits": "counter",
-        }
-        lines = []
-        for key, value in stats.items():
-            name = f"waferscale_{key}" + ("_total" if kinds.get(key) == "counter" else "")
-            lines += [f"# TYPE {name} {kinds.get(key, 'gauge')}", f"{name} {value}"]
-        engine = ctx.engine.engine
-        lines += engine.ttft.render(
-            "waferscale_time_to_first_token_seconds", "arrival to first generated token"
-        )
-        lines += engine.itl.render(
-            "waferscale_inter_token_latency_seconds", "time between tokens of a sequence"
-        )
-        return "\n".join(lines) + "\n"
+    async def metrics() -> str:  # (a Response returned as is; str keeps the documented schema)
+        """Prometheus text format: engine queue, KV cache, prefix cache, latencies and the process's RSS and CPU."""
+        return Response(render(registry), media_type=CONTENT_TYPE)
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, created=ctx.created)
@@ -155,6 +140,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         trace(request, "completion", req.user)
         run = CompletionRun(plan, ctx, fault_after(request))
         if req.stream:
+            await run.run.start()  # admitted (or refused with a real status) before the 200
             return StreamingResponse(
                 run.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
@@ -193,6 +179,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         trace(request, "chat", req.user)
         run = ChatRun(plan, ctx, fault_after(request))
         if req.stream:
+            await run.run.start()  # admitted (or refused with a real status) before the 200
             return StreamingResponse(
                 run.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )

@@ -1,4 +1,9 @@
-"""Runs the engine on its own thread so the HTTP event loop never waits on a forward pass."""
+"""Runs the engine on its own thread so the HTTP event loop never waits on a forward pass, and supervises it.
+
+Each command and each request is isolated: one that fails ends its own request with an error event. A step that
+raises fails its sequences and the loop goes on. If the thread itself ever ends, every open request gets an
+`unavailable` error, `healthy()` turns False, and new requests fail at once instead of waiting forever.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,9 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 
-from waferscale.engine.engine import LLMEngine
+from waferscale.engine.errors import ErrorKind, RequestError, internal_error
+from waferscale.engine.llm_engine import LLMEngine
+from waferscale.engine.metrics import EngineStats
 from waferscale.engine.outputs import GenerationEvent
 from waferscale.engine.params import SamplingParams
 
@@ -16,7 +23,8 @@ log = logging.getLogger("waferscale.engine")
 
 
 class AsyncEngine:
-    """Thread-safe front of LLMEngine: `generate` yields a sequence's events as the engine thread makes them."""
+    """Thread-safe front of LLMEngine (the interface the API talks to): `generate` yields a sequence's events as
+    the engine thread makes them; `abort`, `stats`, `num_waiting` and `healthy` answer from any thread."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -24,6 +32,7 @@ class AsyncEngine:
         self._commands: list[tuple] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self._dead: RequestError | None = None  # set once the thread has ended: why nothing more is served
         self._thread = threading.Thread(target=self._run, name="waferscale-engine", daemon=True)
 
     def start(self) -> None:
@@ -35,13 +44,24 @@ class AsyncEngine:
             self._cv.notify()
         self._thread.join(timeout=10)
 
+    def healthy(self) -> bool:
+        """Whether the engine thread is running and taking requests."""
+        return self._dead is None and self._thread.is_alive()
+
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerationEvent]:
         """Events of one sequence until its finished event; closing the iterator early aborts the sequence."""
         queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._submit(("add", request_id, prompt_ids, params))
+        with self._cv:
+            dead = self._dead
+            if dead is None:
+                self._streams[request_id] = (asyncio.get_running_loop(), queue)
+                self._commands.append(("add", request_id, prompt_ids, params))
+                self._cv.notify()
+        if dead is not None:
+            yield GenerationEvent(request_id, finished=True, error=dead)
+            return
         finished = False
         try:
             while not finished:
@@ -54,19 +74,44 @@ class AsyncEngine:
                 self._submit(("abort", request_id))
 
     def fail_all(self, message: str) -> None:
-        """End every in-flight sequence with a 503 error event (their clients get an error, not silence)."""
-        self._submit(("fail_all", message))
+        """End every in-flight sequence with a shutting-down error (their clients get an error, not silence)."""
+        self._submit(("fail_all", RequestError(ErrorKind.SHUTTING_DOWN, message)))
+
+    def inject_fault(self, request_id: str, after_tokens: int) -> None:
+        """Test hook: the request fails while sampling once it has `after_tokens` tokens (call before generate)."""
+        self._submit(("fault", request_id, after_tokens))
 
     def num_waiting(self) -> int:
         """Sequences not yet admitted: the engine's queue plus those still on their way to it."""
         return len(self.engine.waiting) + sum(1 for c in self._commands if c[0] == "add")
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     def _submit(self, command: tuple) -> None:
         with self._cv:
             self._commands.append(command)
             self._cv.notify()
 
+    # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        reason = RequestError(ErrorKind.SHUTTING_DOWN, "the server is shutting down")
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.critical("the engine thread died; no request will be served until a restart", exc_info=True)
+            reason = RequestError(
+                ErrorKind.UNAVAILABLE,
+                f"the inference engine stopped ({type(exc).__name__}); this server cannot serve requests until it "
+                "is restarted",
+            )
+        finally:
+            with self._cv:
+                self._dead = reason
+                streams = list(self._streams)
+            self._dispatch([GenerationEvent(rid, finished=True, error=reason) for rid in streams])
+
+    def _loop(self) -> None:
         engine = self.engine
         busy = False
         while True:
@@ -80,20 +125,33 @@ class AsyncEngine:
                     return
                 commands, self._commands = self._commands, []
             for command in commands:
-                if command[0] == "add":
-                    engine.add_request(*command[1:])
-                elif command[0] == "fail_all":
-                    self._dispatch(engine.fail_all(command[1]))
-                else:
-                    engine.abort(command[1])
+                try:
+                    self._apply(command)
+                except Exception as exc:  # one bad command fails its own request, never the thread
+                    log.exception("engine command %s failed", command[0])
+                    if command[0] == "add":
+                        self._dispatch(
+                            [GenerationEvent(command[1], finished=True, error=internal_error(exc))]
+                        )
             if engine.has_work():
                 busy = True
                 try:
                     events = engine.step()
-                except Exception:  # the engine isolates per-sequence failures; this is a last resort
+                except Exception as exc:  # step() isolates its own failures; this is the last resort
                     log.exception("engine step failed")
-                    continue
+                    events = engine.fail_all(internal_error(exc))  # if this raises too, the thread ends
                 self._dispatch(events)
+
+    def _apply(self, command: tuple) -> None:
+        engine = self.engine
+        if command[0] == "add":
+            engine.add_request(*command[1:])
+        elif command[0] == "fail_all":
+            self._dispatch(engine.fail_all(command[1]))
+        elif command[0] == "fault":
+            engine.faults.fail_after[command[1]] = command[2]
+        else:
+            engine.abort(command[1])
 
     def _dispatch(self, events: list[GenerationEvent]) -> None:
         """Hand a step's events to their streams with one wake-up per event loop (not one per event)."""
@@ -103,7 +161,10 @@ class AsyncEngine:
             if target is not None:
                 by_loop.setdefault(target[0], []).append((target[1], event))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop has closed: nobody is listening
+                pass
 
 
 def _load_malloc_trim():

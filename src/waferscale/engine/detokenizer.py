@@ -34,8 +34,10 @@ class IncrementalDetokenizer:
         self.released_tokens = 0
         self.cut_at: int | None = None  # where a matched stop string was cut off
 
-    def add(self, token_id: int) -> str | None:
-        """Append a token; return the stop string it completed, if any (the text is then cut before it)."""
+    def add(self, token_id: int, check_stops: bool = True) -> str | None:
+        """Append a token; return the stop string it completed, if any (the text is then cut before it).
+
+        check_stops=False (while min_tokens is not reached) leaves the text whole whatever it holds."""
         self.ids.append(token_id)
         self.offsets.append(len(self.text))
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
@@ -43,7 +45,7 @@ class IncrementalDetokenizer:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        if not self.stop:
+        if not self.stop or not check_stops:
             return None
         start = max(self.stop_from, len(self.text) - self.max_stop - 8)
         best: tuple[int, str] | None = None

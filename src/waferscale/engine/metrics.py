@@ -1,14 +1,26 @@
-"""Latency histograms kept by the engine thread and rendered by /metrics (Prometheus text format)."""
+"""Plain numbers the engine keeps for monitoring, handed over as a snapshot (the API layer renders them)."""
 
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+@dataclass
+class HistogramSnapshot:
+    buckets: tuple[float, ...]  # upper bounds, +Inf implied
+    counts: list[int]  # per bucket (not cumulative), the last one past the largest bound
+    total: float
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
 class Histogram:
-    """Cumulative-bucket histogram; observe() from one thread, render() from another (reads plain ints)."""
+    """Bucketed latencies; observe() on the engine thread, snapshot() from any thread (reads plain ints)."""
 
     def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS):
         self.buckets = buckets
@@ -19,16 +31,34 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.total += value
 
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        running = 0
-        for bound, count in zip(self.buckets, self.counts):
-            running += count
-            lines.append(f'{name}_bucket{{le="{bound}"}} {running}')
-        running += self.counts[-1]
-        lines += [
-            f'{name}_bucket{{le="+Inf"}} {running}',
-            f"{name}_sum {self.total}",
-            f"{name}_count {running}",
-        ]
-        return lines
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(self.buckets, list(self.counts), self.total)
+
+
+@dataclass
+class EngineStats:
+    """What the engine reports: gauges (now) and counters (since start)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    prefix_cache_queries: int = 0  # counters from here on
+    prefix_cache_hits: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    queue_timeouts: int = 0
+    failed_steps: int = 0
+    ttft: HistogramSnapshot | None = None  # arrival to first token
+    itl: HistogramSnapshot | None = None  # between consecutive tokens of a sequence
+
+    GAUGES = ("running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached")
+    COUNTERS = (
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "generated_tokens",
+        "preemptions",
+        "queue_timeouts",
+        "failed_steps",
+    )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from waferscale.engine.errors import RequestError
+
 
 @dataclass
 class TokenLogprob:
@@ -27,11 +29,14 @@ class GenerationEvent:
     prompt_logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: str | None = None
-    error: str | None = None
-    error_status: int = 500  # 503 when the request waited longer than the queue timeout
+    error: RequestError | None = (
+        None  # set on a finished event of a request that failed (kind, message, param)
+    )
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     cumulative_logprob: float = 0.0
     queue_time: float = 0.0
     prompt_time: float = 0.0
     completion_time: float = 0.0
+    accepted_prediction_tokens: int = 0  # draft tokens of a predicted output that the model confirmed
+    rejected_prediction_tokens: int = 0  # draft tokens proposed but not accepted

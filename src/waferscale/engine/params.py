@@ -20,8 +20,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: str | None = None  # a grammar_root name: constrain the output to that built-in grammar
     lark: str | None = None  # or a whole Lark grammar (llguidance dialect): chat's tools and response formats
-    prediction: list[int] | None = None  # the output the client predicts: draft tokens verified in one forward
-    fail_after: int | None = None  # fault injection for tests: raise after this many generated tokens
+    prediction: list[int] | None = (
+        None  # token ids of the output the client expects: drafts verified in one forward
+    )
 
     @property
     def greedy(self) -> bool:

@@ -11,6 +11,19 @@ import torch
 from waferscale.engine.params import SamplingParams
 
 
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The sequence's own random generator (None for greedy): seeded from the request, or from the OS when
+    unseeded. The global generator is never touched (torch.seed() would reseed it for everyone)."""
+    if params.greedy:
+        return None
+    generator = torch.Generator()
+    if params.seed is not None:
+        generator.manual_seed(params.seed % 2**64)
+    else:
+        generator.seed()
+    return generator
+
+
 def apply_controls(
     row: torch.Tensor,
     params: SamplingParams,

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from waferscale.engine.detokenizer import IncrementalDetokenizer
+from waferscale.engine.errors import RequestError
 from waferscale.engine.outputs import TokenLogprob
 from waferscale.engine.params import SamplingParams
 
@@ -29,9 +30,9 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks computed so far
-    prompt_hashes: list[int] | None = (
-        None  # hashes of every full block before the last token (set at admission)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix keys of the full blocks computed so far
+    prompt_keys: list[bytes] | None = (
+        None  # keys of every full block before the last token (set at admission)
     )
     num_computed: int = 0  # tokens whose keys/values are in the cache
     num_cached: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -40,13 +41,23 @@ class Sequence:
     num_generated: int = 0
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
+    error: RequestError | None = None  # why it failed, when finish_reason is "error"
     arrival: float = field(default_factory=time.perf_counter)
     scheduled_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float = 0.0
+    drafts: list[int] = field(
+        default_factory=list
+    )  # prediction tokens run in this step, verified when sampled
+    prediction_anchor: tuple[int, int] = (0, 0)  # see prediction.propose
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
+
+    def fail(self, error: RequestError) -> None:
+        self.finish_reason, self.error = "error", error
 
     @property
     def finished(self) -> bool:

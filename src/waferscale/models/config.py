@@ -46,6 +46,11 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        check_no_sliding_window(
+            name,
+            cfg.get("sliding_window") if model_type == "mistral" or cfg.get("use_sliding_window") else None,
+            cfg.get("max_position_embeddings", 4096),
+        )
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
         # transformers >= 5 writes rope settings as one `rope_parameters` dict; older configs use two keys
@@ -69,4 +74,15 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             name=name,
+        )
+
+
+def check_no_sliding_window(name: str, window: int | None, context: int) -> None:
+    """Refuse a model whose attention is limited to a sliding window shorter than its context: the forward here
+    attends over the whole context, so past `window` tokens its outputs would be silently wrong."""
+    if window and window < context:
+        raise ValueError(
+            f"{name} declares sliding-window attention (each token sees the last {window} tokens, context "
+            f"{context}); waferscale computes full attention only, which gives different (wrong) outputs past "
+            f"{window} tokens, so it does not load this model"
         )

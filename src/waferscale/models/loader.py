@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from waferscale import __version__, kernels
-from waferscale.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from waferscale.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, check_no_sliding_window
 from waferscale.models.llama import HARDWARE_BF16_NATIVE_ROWS, LlamaForCausalLM, cpu_has_native_bf16
 from waferscale.models.tokenizer import ModelTokenizer
 
@@ -248,6 +248,10 @@ def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True):
         tie_word_embeddings="output.weight" not in names,
         name=derive_name(src),
     )
+    try:
+        check_no_sliding_window(cfg.name, m("attention.sliding_window"), cfg.max_position_embeddings)
+    except ValueError as exc:
+        raise ModelLoadError(f"{src}: {exc}") from None
     if m("rope.scaling.type") == "linear":
         cfg.rope_scaling = {"type": "linear", "factor": m("rope.scaling.factor")}
     elif m("rope.scaling.type") not in (None, "none"):

@@ -1,0 +1,69 @@
+"""GET /metrics: the engine's stats snapshot and the process's own figures, rendered by prometheus_client."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from waferscale.engine.metrics import EngineStats, HistogramSnapshot
+
+PREFIX = "waferscale_"
+HELP = {
+    "running": "sequences in the running batch",
+    "waiting": "sequences waiting for admission",
+    "kv_blocks_used": "KV-cache blocks held by sequences",
+    "kv_blocks_free": "KV-cache blocks free or holding evictable cached prefixes",
+    "kv_blocks_cached": "KV-cache blocks holding cached prefixes that no sequence uses",
+    "prefix_cache_queries": "prompt blocks looked up in the prefix cache (once per admission)",
+    "prefix_cache_hits": "prompt blocks served from the prefix cache (once per admission)",
+    "generated_tokens": "tokens generated",
+    "preemptions": "sequences preempted to free KV-cache blocks (recomputed later)",
+    "queue_timeouts": "requests that waited past the queue timeout",
+    "failed_steps": "engine steps that raised (their sequences failed with an internal error)",
+    "rejected_requests": "requests turned away with 429 because the waiting queue was full",
+}
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class EngineCollector:
+    """A prometheus_client collector that reads a fresh EngineStats snapshot at every scrape."""
+
+    def __init__(self, snapshot: Callable[[], EngineStats], extra_counters: Callable[[], dict[str, float]]):
+        self.snapshot, self.extra_counters = snapshot, extra_counters
+
+    def collect(self):
+        stats = self.snapshot()
+        for name in EngineStats.GAUGES:
+            yield GaugeMetricFamily(PREFIX + name, HELP[name], value=getattr(stats, name))
+        counters = {name: getattr(stats, name) for name in EngineStats.COUNTERS} | self.extra_counters()
+        for name, value in counters.items():
+            yield CounterMetricFamily(PREFIX + name, HELP.get(name, name), value=value)
+        yield _histogram("time_to_first_token_seconds", "arrival to first generated token", stats.ttft)
+        yield _histogram("inter_token_latency_seconds", "time between tokens of a sequence", stats.itl)
+
+
+def _histogram(name: str, help_text: str, h: HistogramSnapshot | None) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(PREFIX + name, help_text)
+    if h is None:
+        return family
+    buckets, running = [], 0
+    for bound, count in zip(h.buckets, h.counts):
+        running += count
+        buckets.append((str(bound), running))
+    buckets.append(("+Inf", running + h.counts[-1]))
+    family.add_metric([], buckets, h.total)
+    return family
+
+
+def make_registry(snapshot: Callable[[], EngineStats], extra_counters: Callable[[], dict[str, float]]):
+    """A registry of the engine's figures plus process RSS, CPU seconds and open files (ProcessCollector)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(snapshot, extra_counters))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

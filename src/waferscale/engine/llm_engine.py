@@ -1,0 +1,197 @@
+"""The engine loop: continuous batching over a paged KV cache with prefix caching.
+
+Every `step()` asks the Scheduler what to run, has the ModelRunner run it in one forward, and hands the logits to
+the OutputProcessor, which samples and builds the events. Sequences join and leave at every step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from waferscale import kernels
+from waferscale.engine import sampler
+from waferscale.engine.block_manager import BlockManager
+from waferscale.engine.detokenizer import IncrementalDetokenizer
+from waferscale.engine.errors import ErrorKind, RequestError, internal_error
+from waferscale.engine.faults import FaultHooks
+from waferscale.engine.grammar import GrammarError, GrammarMasks
+from waferscale.engine.kv_cache import KVPool
+from waferscale.engine.metrics import EngineStats
+from waferscale.engine.model_runner import ModelRunner
+from waferscale.engine.output_processor import OutputProcessor
+from waferscale.engine.outputs import GenerationEvent
+from waferscale.engine.params import SamplingParams
+from waferscale.engine.scheduler import ScheduledBatch, Scheduler
+from waferscale.engine.sequence import Sequence
+from waferscale.models.llama import cpu_has_native_bf16
+from waferscale.models.loader import LoadedModel
+
+log = logging.getLogger("waferscale.engine")
+DEFAULT_KV_CACHE_BYTES = 512 << 20
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_cache: bool = True,
+        queue_timeout: float | None = None,
+    ):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.eos_ids = [i for i in loaded.tokenizer.eos_token_ids if i < loaded.config.vocab_size]
+        cfg = loaded.config
+        # attention runs in float32 where the CPU only emulates bf16/fp16 (several times faster there)
+        kv_dtype = loaded.dtype if cpu_has_native_bf16() else torch.float32
+        per_block = KVPool.bytes_per_block(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, block_size
+        )
+        num_blocks = max(2, kv_cache_bytes // per_block)
+        self.block_size = block_size
+        # decode attention reads the pool in place through the native kernel where it could be built
+        self.native = kernels.load() if kv_dtype in (torch.float32, torch.bfloat16) else None
+        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache)
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            queue_timeout=queue_timeout,
+            max_model_len=self.max_model_len,
+        )
+        self.runner = ModelRunner(self.model, self.pool, self.native, block_size)
+        self.faults = FaultHooks()
+        self.grammars = GrammarMasks(loaded.tokenizer.tokenizer, cfg.vocab_size, self.eos_ids)
+        self.output = OutputProcessor(
+            self.tokenizer,
+            self.eos_ids,
+            self.grammars,
+            self.native,
+            self.max_model_len,
+            self.runner.logits,
+            self.scheduler.free,
+            self.faults,
+        )
+        self.failed_steps = 0
+        self._early_events: list[GenerationEvent] = []  # requests that ended before reaching the scheduler
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    # ------------------------------------------------------------------ interface
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; one that cannot be served ends at the next step with an error event of its own."""
+        try:
+            if self.faults.on_add is not None:
+                self.faults.on_add(request_id)
+            seq = Sequence(
+                request_id=request_id,
+                prompt_ids=list(prompt_ids),
+                params=params,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
+                generator=sampler.make_generator(params),
+            )
+            if params.lark is not None:
+                seq.matcher = self.grammars.lark_matcher(params.lark)
+            elif params.grammar is not None:
+                seq.matcher = self.grammars.matcher(params.grammar, self.tokenizer.decode(prompt_ids))
+        except GrammarError as exc:  # the request's grammar (or the prompt it must continue) is the client's
+            param = "lark" if params.lark is not None else "grammar_root"
+            self._early_events.append(
+                self._error(request_id, RequestError(ErrorKind.INVALID_REQUEST, str(exc), param))
+            )
+            return
+        except Exception as exc:
+            log.exception("adding request %s failed", request_id)
+            self._early_events.append(self._error(request_id, internal_error(exc)))
+            return
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Forget a sequence (its client went away) and free its blocks; no event is sent for it."""
+        self.scheduler.abort(request_id)
+        self.faults.fail_after.pop(request_id, None)
+
+    def fail_all(self, error: RequestError) -> list[GenerationEvent]:
+        """End every sequence with an error event (shutdown after the grace period) and free its blocks."""
+        return self._drain_early() + [self.output.fail(seq, error) for seq in self.scheduler.take_all()]
+
+    def stats(self) -> EngineStats:
+        """A snapshot for monitoring (may be read from another thread: plain ints, no locking needed)."""
+        b, s, o = self.blocks, self.scheduler, self.output
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_blocks_used=b.num_used,
+            kv_blocks_free=b.num_available,
+            kv_blocks_cached=len(b.evictable),
+            prefix_cache_queries=b.queries,
+            prefix_cache_hits=b.hits,
+            generated_tokens=o.generated_tokens,
+            preemptions=s.num_preemptions,
+            queue_timeouts=s.num_timed_out,
+            failed_steps=self.failed_steps,
+            ttft=o.ttft.snapshot(),
+            itl=o.itl.snapshot(),
+        )
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.has_work() or self._early_events)
+
+    def step(self) -> list[GenerationEvent]:
+        """Schedule, run one batched forward, sample; return the events produced.
+
+        A step that raises fails the sequences it was running (an internal error each) and the engine goes on."""
+        events = self._drain_early()
+        batch: ScheduledBatch | None = None
+        try:
+            if self.faults.on_step is not None:
+                self.faults.on_step()
+            batch = self.scheduler.schedule()
+            events += [self.output.event(seq) for seq in batch.ended]
+            if batch.decodes or batch.prefills:
+                events += self._run(batch)
+        except Exception as exc:
+            log.exception("engine step failed")
+            self.failed_steps += 1
+            victims = batch.seqs if batch is not None else list(self.scheduler.running)
+            events += [self.output.fail(seq, internal_error(exc)) for seq in victims if not seq.finished]
+        self.scheduler.retire()
+        return events
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, batch: ScheduledBatch) -> list[GenerationEvent]:
+        out = self.runner.forward(batch)
+        self.scheduler.computed(batch)
+        for seq, first, pos, count in out.score_rows:
+            self.output.score_prompt(seq, out.hidden[first : first + count], pos)
+        events = []
+        if out.sample_rows:
+            logits = self.runner.logits(out.hidden[[r for _, r in out.sample_rows]])
+            events = self.output.sample([seq for seq, _ in out.sample_rows], logits)
+        for seq, first, count in out.draft_rows:
+            events += self.output.verify(seq, self.runner.logits(out.hidden[first : first + count]))
+            self.scheduler.settle_drafts(seq)
+        return events
+
+    def _drain_early(self) -> list[GenerationEvent]:
+        events, self._early_events = self._early_events, []
+        return events
+
+    def _error(self, request_id: str, error: RequestError) -> GenerationEvent:
+        self.faults.fail_after.pop(request_id, None)
+        return GenerationEvent(request_id, finished=True, error=error)

@@ -1,0 +1,273 @@
+"""Which sequences run in the next forward, and how much of each: plain Python over a BlockManager, no model.
+
+Each step takes one token of every decoding sequence, then chunks of prefilling ones, then admits waiting
+sequences while the token budget, the batch size and the free blocks allow. When the pool runs out, the newest
+sequence is preempted (its blocks freed) and recomputed later; its client still gets the whole answer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from waferscale.engine.block_manager import BlockManager
+from waferscale.engine.errors import ErrorKind, RequestError
+from waferscale.engine.prediction import MAX_DRAFT, propose
+from waferscale.engine.sequence import Sequence
+
+
+@dataclass
+class ScheduledBatch:
+    decodes: list[Sequence] = field(default_factory=list)  # one token each
+    prefills: list[tuple[Sequence, int]] = field(
+        default_factory=list
+    )  # a chunk of prompt (or recompute) each
+    ended: list[Sequence] = field(
+        default_factory=list
+    )  # finished without running: refused, expired or max_tokens=0
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.decodes + [s for s, _ in self.prefills]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        queue_timeout: float | None = None,
+        max_model_len: int = 1 << 30,
+    ):
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max(max_num_batched_tokens, 1)
+        self.queue_timeout = queue_timeout  # seconds a request may wait for its first admission
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_timed_out = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def abort(self, request_id: str) -> None:
+        """Forget a sequence and free its blocks."""
+        for seq in [s for s in self.running if s.request_id == request_id]:
+            self.free(seq)
+        self.running = [s for s in self.running if s.request_id != request_id]
+        self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+
+    def take_all(self) -> list[Sequence]:
+        """Remove every sequence (running and waiting), its blocks freed."""
+        seqs = self.running + list(self.waiting)
+        for seq in seqs:
+            self.free(seq)
+        self.running, self.waiting = [], deque()
+        return seqs
+
+    def retire(self) -> None:
+        """Drop finished sequences from the running list (their blocks were freed when they finished)."""
+        self.running = [s for s in self.running if not s.finished]
+
+    def free(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_table, seq.block_keys = [], []
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> ScheduledBatch:
+        out = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        taken: set[int] = set()
+        for seq in list(self.running):
+            if seq.finished or seq.remaining != 1 or not seq.num_generated or budget <= 0:
+                continue
+            if seq not in self.running:  # preempted while making room for an older sequence
+                continue
+            drafts = self._drafts(seq, budget - 1) if seq.params.prediction else []
+            if not self._ensure_blocks(seq, len(seq.token_ids) + len(drafts)):
+                continue  # seq itself was preempted
+            taken.add(id(seq))
+            if drafts:  # the last token and the drafts run as one chunk over the cached prefix
+                seq.drafts = drafts
+                out.prefills.append((seq, 1 + len(drafts)))
+                budget -= 1 + len(drafts)
+                continue
+            out.decodes.append(seq)
+            budget -= 1
+        for seq in self.running:
+            if id(seq) in taken or seq.finished or seq.remaining <= 0 or budget <= 0:
+                continue
+            chunk = min(seq.remaining, budget)
+            out.prefills.append((seq, chunk))
+            budget -= chunk
+        self._expire_waiting(out.ended)
+        in_flight = self._prefix_keys_in_flight()
+        deferred: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self._shares_prefix_in_flight(seq, in_flight):
+                deferred.append(self.waiting.popleft())  # admitted once those blocks are cached
+                continue
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            if seq.finished:
+                out.ended.append(seq)
+                continue
+            in_flight.update(seq.prompt_keys[len(seq.block_keys) :])
+            self.running.append(seq)
+            chunk = min(seq.remaining, budget)
+            out.prefills.append((seq, chunk))
+            budget -= chunk
+        self.waiting.extendleft(reversed(deferred))
+        return out
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Prediction tokens to verify after seq's last token, within the budget, max_tokens and the context."""
+        k = min(
+            MAX_DRAFT,
+            budget,
+            seq.params.max_tokens - seq.num_generated - 1,
+            self.max_model_len - len(seq.token_ids),
+        )
+        drafts, seq.prediction_anchor = propose(
+            seq.params.prediction, seq.output_ids, seq.prediction_anchor, k
+        )
+        return drafts
+
+    def settle_drafts(self, seq: Sequence) -> None:
+        """After verification: only the accepted drafts' keys and values count (the rest are overwritten later)."""
+        seq.num_computed = min(seq.num_computed, len(seq.token_ids) - 1)
+        seq.drafts = []
+
+    def computed(self, batch: ScheduledBatch) -> None:
+        """After the forward: the scheduled tokens are in the cache; full blocks join the prefix cache."""
+        for seq in batch.decodes:
+            seq.num_computed += 1
+        for seq, chunk in batch.prefills:
+            seq.num_computed += chunk
+        for seq in batch.seqs:
+            self.register_full_blocks(seq)
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.block_size
+        full = min(seq.num_computed, len(seq.token_ids)) // bs
+        if full > len(seq.block_keys):
+            parent = seq.block_keys[-1] if seq.block_keys else None
+            start = len(seq.block_keys) * bs
+            new = self.blocks.block_keys(seq.token_ids[start : full * bs], parent)
+            for i, key in enumerate(new):
+                first = start + i * bs
+                self.blocks.register(
+                    seq.block_table[len(seq.block_keys) + i], key, seq.token_ids[first : first + bs]
+                )
+            seq.block_keys += new
+
+    # ------------------------------------------------------------------ admission
+    def _expire_waiting(self, ended: list[Sequence]) -> None:
+        """End the requests that have waited for admission longer than the queue timeout (overloaded, never a hang)."""
+        if self.queue_timeout is None or not self.waiting:
+            return
+        now = time.perf_counter()
+        keep: deque[Sequence] = deque()
+        for seq in self.waiting:
+            if not seq.admitted_once and now - seq.arrival > self.queue_timeout:
+                self.num_timed_out += 1
+                message = (
+                    f"the request waited {now - seq.arrival:.0f} s for a free slot (queue timeout "
+                    f"{self.queue_timeout:g} s); the server is overloaded, retry later"
+                )
+                seq.fail(RequestError(ErrorKind.OVERLOADED, message))
+                ended.append(seq)
+            else:
+                keep.append(seq)
+        self.waiting = keep
+
+    def _prefix_keys_in_flight(self) -> set[bytes]:
+        """Keys of full prompt blocks that running sequences are still prefilling."""
+        if not self.blocks.enable_prefix_cache:
+            return set()
+        return {k for s in self.running for k in s.prompt_keys[len(s.block_keys) :]}
+
+    def _shares_prefix_in_flight(self, seq: Sequence, in_flight: set[bytes]) -> bool:
+        """Whether seq's next uncached prompt block is being computed right now by another sequence (the other
+        choices of an `n`/`best_of` request, or a concurrent request with the same prompt): better to wait a step
+        or two and take it from the cache than to compute it twice."""
+        if not in_flight or seq.params.prompt_logprobs:
+            return False
+        keys = self._prompt_keys(seq)
+        cached = len(self.blocks.match(keys, seq.token_ids))
+        return cached < len(keys) and keys[cached] in in_flight
+
+    def _prompt_keys(self, seq: Sequence) -> list[bytes]:
+        """Keys of seq's full blocks before its last token, computed once per token count (a preempted sequence
+        has grown since)."""
+        if seq.prompt_keys is None or len(seq.prompt_keys) != (len(seq.token_ids) - 1) // self.block_size:
+            seq.prompt_keys = self.blocks.block_keys(seq.token_ids[:-1])
+        return seq.prompt_keys
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give a waiting sequence its blocks (reusing cached prefix blocks); False if the pool cannot yet.
+
+        A sequence that can never be served, or needs no forward, comes back finished (True)."""
+        if seq.params.max_tokens == 0 and not seq.params.prompt_logprobs:
+            seq.scheduled_at = time.perf_counter()
+            seq.finish_reason = "length"
+            return True
+        tokens = seq.token_ids
+        needed = -(-len(tokens) // self.block_size)
+        # the last token is always computed (its logits are needed), so only blocks before it may come from cache
+        keys = self._prompt_keys(seq)
+        reused = [] if seq.params.prompt_logprobs else self.blocks.match(keys, tokens)
+        if needed > self.blocks.num_blocks - 1 or (
+            not self.running and not self.blocks.can_allocate(needed - len(reused), reused)
+        ):
+            capacity = (self.blocks.num_blocks - 1) * self.block_size
+            message = (
+                f"the sequence needs {len(tokens)} tokens of KV cache; this server's cache holds {capacity}: "
+                "send a shorter prompt"
+            )
+            seq.fail(RequestError(ErrorKind.INVALID_REQUEST, message, "prompt"))
+            return True
+        if not self.blocks.can_allocate(needed - len(reused), reused):
+            return False
+        for b in reused:
+            self.blocks.acquire(b)
+        seq.block_table = reused + [self.blocks.allocate() for _ in range(needed - len(reused))]
+        seq.block_keys = keys[: len(reused)]
+        seq.num_computed = len(reused) * self.block_size
+        if not seq.admitted_once:
+            if not seq.params.prompt_logprobs:
+                self.blocks.count_lookup(len(keys), len(reused))
+            seq.num_cached = seq.num_computed
+            seq.scheduled_at = time.perf_counter()
+            seq.admitted_once = True
+        return True
+
+    def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make room for `num_tokens` in seq's blocks, preempting the newest sequences if needed."""
+        while len(seq.block_table) * self.block_size < num_tokens:
+            if self.blocks.num_available == 0:
+                victim = next(s for s in reversed(self.running) if not s.finished)
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+                continue
+            seq.block_table.append(self.blocks.allocate())
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.free(seq)
+        seq.num_computed = 0
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
