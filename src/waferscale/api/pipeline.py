@@ -76,7 +76,7 @@ def resolve_logit_bias(bias: dict[str, float] | None, ctx: ServingContext) -> di
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
         try:
-            token = int(key)
+            token = int(key)  # string keys from JSON; msgpack may send integers (the schemas accept both)
         except ValueError:
             token = -1
         if not 0 <= token < ctx.vocab_size:
@@ -91,6 +91,43 @@ def resolve_logit_bias(bias: dict[str, float] | None, ctx: ServingContext) -> di
             )
         out[token] = float(value)
     return out
+
+
+def encode(tokenizer, text: str, *, add_special_tokens: bool):
+    """The `tokenizers` Encoding of `text`, computed without holding the GIL: `Tokenizer.encode` holds it for the
+    whole call (a long prompt would stall the event loop and the engine thread, that is every stream's next token,
+    for as long as it takes); `encode_batch` releases it and gives the same ids and character offsets."""
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+
+def prompt_overflows(tok, text: str, limit: int, *, add_special_tokens: bool) -> int | None:
+    """A lower bound on `text`'s token count, when tokenizing a prefix of it already proves the count reaches
+    `limit` (the context length); None when it does not (then the caller tokenizes the whole text as before).
+
+    A prompt that fits has at most `limit` tokens of the vocabulary's longest piece each, so a prefix of a few
+    characters per context token is tried first, then prefixes twice as long, up to half the text: the extra work
+    is at most one more tokenization of the text, and a 30 MiB prompt costs a 100 KiB tokenization. Only tokens
+    that end before the prefix's last two pre-tokenized words are counted: the pre-tokenizer splits the same way
+    up to there whatever follows, and byte-level BPE never merges across its words, so those tokens are exactly
+    the whole text's first tokens. Tokenizers without a pre-tokenizer (which may merge across any boundary), and
+    prefixes whose tail is one unbroken word, prove nothing: the text is tokenized in full."""
+    pre = tok.pre_tokenizer
+    if pre is None:
+        return None
+    size = (limit + 1) * 4
+    while size <= len(text) // 2:
+        prefix = text[:size]
+        tail_start = max(0, size - 4096)
+        words = pre.pre_tokenize_str(prefix[tail_start:])
+        if len(words) < 3:
+            return None  # one word (or two) fills the tail: its tokens may depend on what follows
+        boundary = tail_start + words[-2][1][0]
+        enc = encode(tok, prefix, add_special_tokens=add_special_tokens)
+        settled = sum(1 for start, end in enc.offsets if end <= boundary)
+        if settled >= limit:
+            return settled
+        size *= 2
+    return None
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
