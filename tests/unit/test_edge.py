@@ -295,3 +295,18 @@ def test_unsupported_encodings_name_their_header(ctype, encoding, param):
     with pytest.raises(APIError) as info:
         decode_body(b"{}", ctype, encoding)
     assert info.value.status_code == 415 and info.value.param == param
+
+
+def test_a_chat_prompt_over_the_context_names_messages(ctx):
+    from waferscale.api.chat import plan_chat
+    from waferscale.models.chat_template import ChatTemplate
+
+    ctx.chat_template = ChatTemplate.for_tokenizer(ctx.tokenizer)
+    ctx.max_model_len = 20  # a short conversation overflows it; too short for a prefix to settle anything
+    req = validate_chat_request(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hello there " * 3}]}
+    )
+    with pytest.raises(APIError) as info:
+        plan_chat(req, ctx)
+    assert info.value.param == "messages" and info.value.code == "context_length_exceeded"
+    assert "while limit is 20" in info.value.message

@@ -212,7 +212,13 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
     min_tokens = req.min_completion_tokens if req.min_completion_tokens is not None else req.min_tokens
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit, least = token_limits(
-        len(prompt_ids), max_tokens, min_tokens, ctx, max_param=max_param, too_long=_context_message
+        len(prompt_ids),
+        max_tokens,
+        min_tokens,
+        ctx,
+        max_param=max_param,
+        prompt_param="messages",  # chat has no `prompt`: the messages are what is too long
+        too_long=_context_message,
     )
     grammar = tooling.response_format_grammar(fmt)
     if tool_mode is not None or (tools and choice == "none"):

@@ -141,6 +141,7 @@ def token_limits(
     ctx: ServingContext,
     *,
     max_param: str,
+    prompt_param: str = "prompt",
     too_long: Callable[[int, int], str] | None = None,
 ) -> tuple[int, int]:
     """(max_tokens, min_tokens) for a prompt of `prompt_len` tokens: -1 or unset means "up to the context"; a
@@ -152,7 +153,7 @@ def token_limits(
             if too_long
             else f"prompt is {prompt_len} tokens; the model's context length is {ctx.max_model_len}"
         )
-        raise APIError(400, message, param="prompt", code="context_length_exceeded")
+        raise APIError(400, message, param=prompt_param, code="context_length_exceeded")
     limit = room if max_tokens in (None, -1) else max_tokens
     if limit > room:
         message = (
