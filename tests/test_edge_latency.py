@@ -83,9 +83,12 @@ def _phase(url: str, loads: list[bytes], tokens: int = TOKENS) -> tuple[list[flo
     results: list[tuple[int, float]] = []
 
     def post(body: bytes) -> None:
+        # sent in 1 MiB pieces: httpcore writes one bytes object by slicing off what each send() took, copying the
+        # rest every time under the GIL (seconds for 30 MiB), which would stall this process's stream readers
+        pieces = (body[i : i + MiB] for i in range(0, len(body), MiB))
         with httpx.Client(base_url=url, timeout=120) as client:
             start = time.perf_counter()
-            r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            r = client.post("/v1/completions", content=pieces, headers={"content-type": "application/json"})
         results.append((r.status_code, time.perf_counter() - start))
 
     window_start = time.perf_counter()

@@ -5,9 +5,12 @@ events) with its usage and time accounting. `completions.py` and `chat.py` only 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -93,11 +96,32 @@ def resolve_logit_bias(bias: dict[str, float] | None, ctx: ServingContext) -> di
     return out
 
 
+LONG_TEXT = 100_000  # characters; longer texts are tokenized at low CPU priority
+
+
+def _lower_priority() -> None:
+    try:  # Linux: a thread is a task with its own nice value (raising it needs no privilege)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
+_background = concurrent.futures.ThreadPoolExecutor(
+    max_workers=2, thread_name_prefix="tokenize-long", initializer=_lower_priority
+)
+
+
 def encode(tokenizer, text: str, *, add_special_tokens: bool):
     """The `tokenizers` Encoding of `text`, computed without holding the GIL: `Tokenizer.encode` holds it for the
     whole call (a long prompt would stall the event loop and the engine thread, that is every stream's next token,
-    for as long as it takes); `encode_batch` releases it and gives the same ids and character offsets."""
-    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    for as long as it takes); `encode_batch` releases it and gives the same ids and character offsets. A text
+    longer than any prompt that fits (one that no prefix could settle) is tokenized on a thread at nice 10, so
+    that it takes only CPU the decoding streams leave: on a machine with few cores a busy tokenizer thread would
+    otherwise slow every decode step."""
+    if len(text) <= LONG_TEXT:
+        return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    job = _background.submit(tokenizer.encode_batch, [text], add_special_tokens=add_special_tokens)
+    return job.result()[0]
 
 
 def prompt_overflows(tok, text: str, limit: int, *, add_special_tokens: bool) -> int | None:
