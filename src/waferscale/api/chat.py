@@ -11,12 +11,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError as PydanticValidationError
-from tokenizers import decoders
 
 from waferscale.api import tools as tooling
 from waferscale.api.chat_schemas import ChatCompletionRequest, TextContent
@@ -27,12 +25,15 @@ from waferscale.api.pipeline import (
     Run,
     ServingContext,
     check_model,
+    encode,
+    prompt_overflows,
     resolve_logit_bias,
     sse,
     stop_list,
     token_limits,
 )
 from waferscale.api.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from waferscale.api.tokens import token_bytes, top_items
 from waferscale.engine import GenerationEvent, SamplingParams, TokenLogprob
 from waferscale.models.chat_template import ChatTemplate, TemplateError
 from waferscale.models.tokenizer import ModelTokenizer
@@ -197,12 +198,27 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
         prompt_text = template.render(messages, tools=tools or None, enable_thinking=thinking)
     except TemplateError as exc:
         raise APIError(400, f"messages: {exc}", param="messages") from None
-    prompt_ids = ctx.tokenizer.tokenizer.encode(prompt_text, add_special_tokens=False).ids
+    # a conversation whose rendered prefix alone overflows the context is refused before it is tokenized in full
+    # (the length reported is then what the prefix proved, a lower bound)
+    known = prompt_overflows(
+        ctx.tokenizer.tokenizer, prompt_text, ctx.max_model_len, add_special_tokens=False
+    )
+    if known is not None:
+        raise APIError(
+            400, _context_message(known, ctx.max_model_len), param="messages", code="context_length_exceeded"
+        )
+    prompt_ids = encode(ctx.tokenizer.tokenizer, prompt_text, add_special_tokens=False).ids
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     min_tokens = req.min_completion_tokens if req.min_completion_tokens is not None else req.min_tokens
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit, least = token_limits(
-        len(prompt_ids), max_tokens, min_tokens, ctx, max_param=max_param, too_long=_context_message
+        len(prompt_ids),
+        max_tokens,
+        min_tokens,
+        ctx,
+        max_param=max_param,
+        prompt_param="messages",  # chat has no `prompt`: the messages are what is too long
+        too_long=_context_message,
     )
     grammar = tooling.response_format_grammar(fmt)
     if tool_mode is not None or (tools and choice == "none"):
@@ -212,7 +228,7 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
     prediction: list[int] = []
     if req.prediction is not None:
         predicted = _text(req.prediction.content, "prediction.content") or ""
-        prediction = ctx.tokenizer.tokenizer.encode(predicted, add_special_tokens=False).ids
+        prediction = encode(ctx.tokenizer.tokenizer, predicted, add_special_tokens=False).ids
     params = SamplingParams(
         max_tokens=limit,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -245,47 +261,27 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
 # ---------------------------------------------------------------- output
 
 
-@functools.cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the character a vocabulary entry uses for each byte."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    )
-    cs = bs[:]
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-def token_bytes(tok: ModelTokenizer, token_id: int, text: str) -> list[int]:
-    """A token's own bytes (a byte-level piece may be part of a UTF-8 character, which its text cannot show)."""
-    piece = tok.tokenizer.id_to_token(token_id)
-    if piece is not None and isinstance(tok.tokenizer.decoder, decoders.ByteLevel):
-        table = _byte_decoder()
-        if all(c in table for c in piece):
-            return [table[c] for c in piece]
-    if piece is not None and (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)):
-        return [int(m.group(1), 16)]
-    return list(text.encode("utf-8", "surrogatepass"))
-
-
 def logprob_entries(entries: list[TokenLogprob], k: int, tok: ModelTokenizer) -> list[dict]:
     """The chat shape: one object per token, its k alternatives sorted, bytes for each."""
     out = []
     for e in entries:
-        top = sorted(e.top or [], key=lambda t: t[1], reverse=True)[:k]
+        top = sorted(top_items(tok, e.top, e.token_id, e.text, e.logprob), key=lambda t: t[2], reverse=True)[
+            :k
+        ]
         out.append(
             {
                 "token": e.text,
                 "logprob": e.logprob,
                 "bytes": token_bytes(tok, e.token_id, e.text),
                 "top_logprobs": [
-                    {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "surrogatepass"))}
-                    for t, v in top
+                    {
+                        "token": t,
+                        "logprob": v,
+                        "bytes": token_bytes(tok, i, t)
+                        if i is not None
+                        else list(t.encode("utf-8", "surrogatepass")),
+                    }
+                    for i, t, v in top
                 ],
             }
         )

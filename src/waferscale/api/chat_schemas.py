@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag, field_validator
 
 from waferscale.api.schemas import (
     ErrorChunkResponse,
@@ -18,6 +18,7 @@ from waferscale.api.schemas import (
     StreamOptions,
     TimeInfo,
     Usage,
+    integer_keys_as_text,
 )
 
 
@@ -299,6 +300,11 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(default=None, title="Top Logprobs")
     top_p: Annotated[float, Field(ge=0, le=1)] | None = Field(default=1.0, title="Top P")
     user: str | None = Field(default=None, title="User")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_keys(cls, value: Any) -> Any:
+        return integer_keys_as_text(value)
 
 
 # ---------------------------------------------------------------- responses (documentation of what we send)

@@ -15,6 +15,8 @@ from waferscale.api.pipeline import (
     Run,
     ServingContext,
     check_model,
+    encode,
+    prompt_overflows,
     resolve_logit_bias,
     sse,
     stop_list,
@@ -22,6 +24,7 @@ from waferscale.api.pipeline import (
 )
 from waferscale.api.pipeline import Sequence as PipelineSequence
 from waferscale.api.schemas import CompletionRequest
+from waferscale.api.tokens import token_name, top_named
 from waferscale.engine import SamplingParams, TokenLogprob
 from waferscale.engine.detokenizer import IncrementalDetokenizer
 from waferscale.engine.grammar import open_json_suffix
@@ -131,15 +134,37 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[Prompt]:
     prompts = []
     for item in items:
         if isinstance(item, str):
+            # a prompt whose prefix alone overflows the context is refused before it is tokenized in full (or
+            # scanned whole for lone surrogates, 0.1 s of the GIL for 30 MiB)
+            try:
+                known = prompt_overflows(tok.tokenizer, item, ctx.max_model_len, add_special_tokens=True)
+            except (UnicodeEncodeError, TypeError):  # a lone surrogate in the prefix: refused just below
+                known = None
+            if known is not None:
+                raise APIError(
+                    400,
+                    f"prompt is at least {known} tokens; the model's context length is {ctx.max_model_len}",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:  # JSON can carry lone surrogates; no tokenizer can
                 raise APIError(
                     400, "prompt is not valid Unicode (it holds a lone surrogate)", param="prompt"
                 ) from None
-            ids, offsets = tok.encode_with_offsets(item)
-            prompts.append(Prompt(item, ids, offsets))
+            enc = encode(
+                tok.tokenizer, item, add_special_tokens=True
+            )  # as tok.encode_with_offsets, off the GIL
+            prompts.append(Prompt(item, enc.ids, [start for start, _ in enc.offsets]))
             continue
+        if len(item) >= ctx.max_model_len:  # refused before the ids are checked or decoded
+            raise APIError(
+                400,
+                f"prompt is {len(item)} tokens; the model's context length is {ctx.max_model_len}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         bad = [t for t in item if t >= ctx.vocab_size]
         if bad:
             raise APIError(
@@ -168,23 +193,26 @@ def prompt_offsets(prompt: Prompt, tok: ModelTokenizer) -> list[int]:
 # ---------------------------------------------------------------- formatting
 
 
-def logprobs_block(entries: list[TokenLogprob], base: int, k: int) -> dict:
-    """CompletionLogProbs for these entries; `base` is the character offset their text starts at."""
+def logprobs_block(entries: list[TokenLogprob], base: int, k: int, tok: ModelTokenizer) -> dict:
+    """CompletionLogProbs for these entries; `base` is the character offset their text starts at. Tokens are named
+    as OpenAI names them (`bytes:\\xNN...` for one that is not whole UTF-8 text), in `tokens` and as
+    `top_logprobs` keys alike, so keys stay distinct and the sampled token is found under its own name."""
+    names = [token_name(tok, e.token_id, e.text) for e in entries]
     tops = None
     if k > 0:
         tops = []
-        for e in entries:
+        for e, name in zip(entries, names):
             if e.top is None:
                 tops.append(None)
                 continue
-            top = dict(e.top)
-            if e.text not in top and e.logprob is not None:
-                top[e.text] = e.logprob  # the sampled token always appears
+            top = top_named(tok, e.top, e.token_id, e.text, e.logprob)
+            if name not in top and e.logprob is not None:
+                top[name] = e.logprob  # the sampled token always appears
             tops.append(top)
     return {
         "text_offset": [base + e.offset for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "tokens": [e.text for e in entries],
+        "tokens": names,
         "top_logprobs": tops,
     }
 
@@ -222,9 +250,11 @@ def choice_body(
     }
     if plan.logprobs is not None:
         k = plan.logprobs
-        block = logprobs_block(entries, len(prompt.text), k)
+        block = logprobs_block(entries, len(prompt.text), k, ctx.tokenizer)
         if plan.echo and first and prompt_entries:
-            pre = logprobs_block(with_prompt_offsets(prompt, prompt_entries, ctx.tokenizer), 0, k)
+            pre = logprobs_block(
+                with_prompt_offsets(prompt, prompt_entries, ctx.tokenizer), 0, k, ctx.tokenizer
+            )
             block = {key: None if pre[key] is None else pre[key] + block[key] for key in block}
         body["logprobs"] = block
     if plan.raw_tokens:

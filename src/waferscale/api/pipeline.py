@@ -5,9 +5,12 @@ events) with its usage and time accounting. `completions.py` and `chat.py` only 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -83,7 +86,7 @@ def resolve_logit_bias(bias: dict[str, float] | None, ctx: ServingContext) -> di
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
         try:
-            token = int(key)
+            token = int(key)  # string keys from JSON; msgpack may send integers (the schemas accept both)
         except ValueError:
             token = -1
         if not 0 <= token < ctx.vocab_size:
@@ -100,6 +103,64 @@ def resolve_logit_bias(bias: dict[str, float] | None, ctx: ServingContext) -> di
     return out
 
 
+LONG_TEXT = 100_000  # characters; longer texts are tokenized at low CPU priority
+
+
+def _lower_priority() -> None:
+    try:  # Linux: a thread is a task with its own nice value (raising it needs no privilege)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
+_background = concurrent.futures.ThreadPoolExecutor(
+    max_workers=2, thread_name_prefix="tokenize-long", initializer=_lower_priority
+)
+
+
+def encode(tokenizer, text: str, *, add_special_tokens: bool):
+    """The `tokenizers` Encoding of `text`, computed without holding the GIL: `Tokenizer.encode` holds it for the
+    whole call (a long prompt would stall the event loop and the engine thread, that is every stream's next token,
+    for as long as it takes); `encode_batch` releases it and gives the same ids and character offsets. A text
+    longer than any prompt that fits (one that no prefix could settle) is tokenized on a thread at nice 10, so
+    that it takes only CPU the decoding streams leave: on a machine with few cores a busy tokenizer thread would
+    otherwise slow every decode step."""
+    if len(text) <= LONG_TEXT:
+        return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    job = _background.submit(tokenizer.encode_batch, [text], add_special_tokens=add_special_tokens)
+    return job.result()[0]
+
+
+def prompt_overflows(tok, text: str, limit: int, *, add_special_tokens: bool) -> int | None:
+    """A lower bound on `text`'s token count, when tokenizing a prefix of it already proves the count reaches
+    `limit` (the context length); None when it does not (then the caller tokenizes the whole text as before).
+
+    A prompt that fits has at most `limit` tokens of the vocabulary's longest piece each, so a prefix of a few
+    characters per context token is tried first, then prefixes twice as long, up to half the text: the extra work
+    is at most one more tokenization of the text, and a 30 MiB prompt costs a 100 KiB tokenization. Only tokens
+    that end before the prefix's last two pre-tokenized words are counted: the pre-tokenizer splits the same way
+    up to there whatever follows, and byte-level BPE never merges across its words, so those tokens are exactly
+    the whole text's first tokens. Tokenizers without a pre-tokenizer (which may merge across any boundary), and
+    prefixes whose tail is one unbroken word, prove nothing: the text is tokenized in full."""
+    pre = tok.pre_tokenizer
+    if pre is None:
+        return None
+    size = (limit + 1) * 4
+    while size <= len(text) // 2:
+        prefix = text[:size]
+        tail_start = max(0, size - 4096)
+        words = pre.pre_tokenize_str(prefix[tail_start:])
+        if len(words) < 3:
+            return None  # one word (or two) fills the tail: its tokens may depend on what follows
+        boundary = tail_start + words[-2][1][0]
+        enc = encode(tok, prefix, add_special_tokens=add_special_tokens)
+        settled = sum(1 for start, end in enc.offsets if end <= boundary)
+        if settled >= limit:
+            return settled
+        size *= 2
+    return None
+
+
 def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
@@ -111,6 +172,7 @@ def token_limits(
     ctx: ServingContext,
     *,
     max_param: str,
+    prompt_param: str = "prompt",
     too_long: Callable[[int, int], str] | None = None,
 ) -> tuple[int, int]:
     """(max_tokens, min_tokens) for a prompt of `prompt_len` tokens: -1 or unset means "up to the context"; a
@@ -122,7 +184,7 @@ def token_limits(
             if too_long
             else f"prompt is {prompt_len} tokens; the model's context length is {ctx.max_model_len}"
         )
-        raise APIError(400, message, param="prompt", code="context_length_exceeded")
+        raise APIError(400, message, param=prompt_param, code="context_length_exceeded")
     limit = room if max_tokens in (None, -1) else max_tokens
     if limit > room:
         message = (

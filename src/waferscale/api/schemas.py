@@ -50,6 +50,14 @@ class StreamOptions(BaseModel):
 TokenId = Annotated[int, Field(ge=0)]
 
 
+def integer_keys_as_text(value: Any) -> Any:
+    """logit_bias keys as the schema's strings: msgpack carries integer keys naturally ({1234: 5}); the token ids
+    are checked against the vocabulary later, whatever form they came in."""
+    if isinstance(value, dict):
+        return {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v for k, v in value.items()}
+    return value
+
+
 class CompletionRequest(BaseModel):
     """Request for completions endpoint"""
 
@@ -182,6 +190,11 @@ class CompletionRequest(BaseModel):
         description="A unique identifier representing your end-user, which can help Cerebras to monitor and detect "
         "abuse. ",
     )
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_keys(cls, value: Any) -> Any:
+        return integer_keys_as_text(value)
 
     @field_validator("grammar_root")
     @classmethod

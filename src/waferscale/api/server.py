@@ -21,7 +21,13 @@ from waferscale.api.chat_schemas import (
     ErrorResponse,
 )
 from waferscale.api.completions import CompletionRun, plan_request, validate_request
-from waferscale.api.decoding import MAX_BODY_BYTES, REQUEST_CONTENT_TYPES, decode_body
+from waferscale.api.decoding import (
+    MAX_BODY_BYTES,
+    REQUEST_CONTENT_TYPES,
+    decode_body,
+    read_limited,
+    wants_msgpack,
+)
 from waferscale.api.errors import FLAT_PATHS, APIError, install_handlers
 from waferscale.api.metrics import CONTENT_TYPE, make_registry, render
 from waferscale.api.pipeline import ServingContext, check_capacity
@@ -94,14 +100,18 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         return card(model_id)
 
     async def read_body(request: Request) -> dict:
-        """The decoded request body (JSON or msgpack, optionally gzip), parsed off the event loop."""
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body is {declared} bytes; the limit is {MAX_BODY_BYTES}")
-        body = await request.body()
+        """The decoded request body (JSON or msgpack, optionally gzip), read as a stream under MAX_BODY_BYTES
+        whatever its framing, and parsed off the event loop."""
+        body = await read_limited(request.stream(), request.headers.get("content-length"), MAX_BODY_BYTES)
         return await run_in_threadpool(
             decode_body, body, request.headers.get("content-type"), request.headers.get("content-encoding")
         )
+
+    def answer(request: Request, result: dict) -> Response:
+        """A whole (non-streamed) answer, as msgpack when the request's Accept prefers it, else JSON."""
+        if wants_msgpack(request.headers.get("accept")):
+            return Response(msgpack.packb(result), media_type="application/msgpack")
+        return JSONResponse(result)
 
     def fault_after(request: Request) -> int | None:
         fault = request.headers.get("x-waferscale-fault-after", "")
@@ -111,6 +121,9 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         trace_id = request.headers.get("cf-ray") or request.headers.get("x-amz-cf-id")
         if user or trace_id:
             log.info("%s request user=%s trace=%s", kind, user, trace_id)
+        inert = {h: request.headers[h] for h in INERT_HEADERS if h in request.headers}
+        if inert:  # accepted whatever their value; they change nothing here
+            log.info("%s request inert headers %s", kind, " ".join(f"{h}={v!r}" for h, v in inert.items()))
 
     @app.post(
         "/v1/completions",
@@ -144,10 +157,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
             return StreamingResponse(
                 run.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        result = await run.collect(request.is_disconnected)
-        if "msgpack" in request.headers.get("accept", ""):
-            return Response(msgpack.packb(result), media_type="application/msgpack")
-        return JSONResponse(result)
+        return answer(request, await run.collect(request.is_disconnected))
 
     @app.post(
         "/v1/chat/completions",
@@ -183,7 +193,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
             return StreamingResponse(
                 run.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        return JSONResponse(await run.collect(request.is_disconnected))
+        return answer(request, await run.collect(request.is_disconnected))
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -231,6 +241,7 @@ def build_openapi(app: FastAPI) -> dict:
     ok["application/msgpack"] = {"schema": {"$ref": "#/components/schemas/CreateCompletionResponse"}}
     chat_ok = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     chat_ok["text/event-stream"] = {"schema": {"$ref": "#/components/schemas/ChatCompletionStreamEvent"}}
+    chat_ok["application/msgpack"] = {"schema": {"$ref": "#/components/schemas/CreateChatCompletionResponse"}}
     for path in _OPEN_PATHS:
         doc["paths"][path]["get"]["security"] = []  # answered without a key, for load balancers and the SDK
     for path, ops in doc["paths"].items():
@@ -290,6 +301,8 @@ COMPLETION_HEADERS = [
     _header("CF-RAY", "Cf-Ray", {"type": "string"}),
     _header("X-delay-time", "X-Delay-Time", {"type": "number"}),
 ]
+# Headers the contracts name that change nothing here: accepted whatever their value, and logged when sent.
+INERT_HEADERS = ("x-delay-time", "queue_threshold", "x-cerebras-version-patch")
 CHAT_HEADERS = COMPLETION_HEADERS + [
     _header(
         "Content-Encoding",

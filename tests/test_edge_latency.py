@@ -1,0 +1,149 @@
+"""Streams keep their pace while the server takes in a 30 MiB body and a long tokenization: the inter-token
+latency p99 of 16 decoding streams stays within 2x of the same streams measured alone.
+
+Measured (2 shared cores; one quiet run, load average ~1): p99 alone 47-69 ms; with the one-word tokenization
+(nice 10) 116-261 ms; with the 30 MiB body 276-584 ms: while the server reads and parses that body (0.2-0.7 s) no
+stream gets a token. The event loop's Python work on the body (h11 parsing, then json.loads, 0.13 s of held GIL)
+makes the engine thread wait for the GIL after every torch op (up to the 5 ms switch interval each), so decode
+steps stall for the whole read. Under heavy load from other work (load average 6-8) the noise is larger than the
+effect and the test passes (alone 2.4 s, loaded 3.3 s medians). Hence xfail until the body is read without
+holding the engine's GIL (see the report of the http-edge branch); the bar stays 2x. Before this branch the 30 MiB
+prompt was tokenized whole under the GIL: minutes of stall on such a machine.
+
+The phases interleave (alone, loaded, alone, loaded, ...) so that a change in the machine's load between them
+(the suite runs on shared 2-core machines) falls on both, and each side is the median of its phases' p99."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import string
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import MODEL
+
+STREAMS = 16
+TOKENS = 8  # tokens each stream decodes at least per phase (streams run on until the loads are answered)
+ROUNDS = 2  # phases of each kind
+MiB = 1 << 20
+
+
+def _huge_body() -> bytes:
+    """30 MiB of JSON: a prompt of ordinary words, far past the context (refused once read and parsed)."""
+    words = "the quick brown fox jumps over the lazy dog and keeps on running " * (30 * MiB // 64)
+    return json.dumps({"model": MODEL, "prompt": words[: 30 * MiB - 200], "max_tokens": 1}).encode()
+
+
+def _one_word_body() -> bytes:
+    """A prompt of one unbroken 200k-character word: no prefix proves it too long, so it is tokenized whole."""
+    rng = random.Random(7)
+    word = "".join(rng.choices(string.ascii_lowercase, k=200_000))
+    return json.dumps({"model": MODEL, "prompt": word, "max_tokens": 1}).encode()
+
+
+def _stream(url: str, k: int, stamps: list[float], started: threading.Event, stop: threading.Event) -> None:
+    """One long stream, read until `stop` (then the client goes away and the server ends the sequence)."""
+    body = {
+        "model": MODEL,
+        "prompt": f"Story {k}: once upon a time",
+        "max_tokens": 1000,
+        "min_tokens": 1000,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.Client(base_url=url, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.perf_counter())
+                    started.set()
+                if stop.is_set():
+                    break
+
+
+def _phase(url: str, loads: list[bytes], tokens: int = TOKENS) -> tuple[list[float], list[tuple[int, float]]]:
+    """16 streams; with `loads`, each body is posted once every stream has its first token. Returns the streams'
+    inter-token gaps (without loads: every gap after the first token; with them: the gaps that overlap the time
+    the loads were being answered) and (status, seconds) of each load request."""
+    stamps: list[list[float]] = [[] for _ in range(STREAMS)]
+    firsts = [threading.Event() for _ in range(STREAMS)]
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=_stream, args=(url, k, stamps[k], firsts[k], stop)) for k in range(STREAMS)
+    ]
+    for t in threads:
+        t.start()
+    for e in firsts:
+        assert e.wait(120)
+    deadline = time.perf_counter() + 120
+    while min(len(s) for s in stamps) < 2:  # every stream past its prefill: decoding in one batch
+        assert time.perf_counter() < deadline and all(t.is_alive() for t in threads), (
+            "a stream stalled or failed"
+        )
+        time.sleep(0.01)
+    results: list[tuple[int, float]] = []
+
+    def post(body: bytes) -> None:
+        # sent in 1 MiB pieces: httpcore writes one bytes object by slicing off what each send() took, copying the
+        # rest every time under the GIL (seconds for 30 MiB), which would stall this process's stream readers
+        pieces = (body[i : i + MiB] for i in range(0, len(body), MiB))
+        with httpx.Client(base_url=url, timeout=120) as client:
+            start = time.perf_counter()
+            r = client.post("/v1/completions", content=pieces, headers={"content-type": "application/json"})
+        results.append((r.status_code, time.perf_counter() - start))
+
+    window_start = time.perf_counter()
+    posters = [threading.Thread(target=post, args=(b,)) for b in loads]
+    for p in posters:
+        p.start()
+    for p in posters:
+        p.join()
+    window_end = time.perf_counter()
+    while min(len(s) for s in stamps) < tokens + 1 or stamps[0][-1] < window_end:
+        assert time.perf_counter() < deadline and all(t.is_alive() for t in threads), (
+            "a stream stalled or failed"
+        )
+        time.sleep(0.01)
+    stop.set()
+    for t in threads:
+        t.join()
+    pairs = [(a, b) for s in stamps for a, b in zip(s[1:], s[2:])]  # from the second token on (after prefill)
+    if loads:
+        pairs = [(a, b) for a, b in pairs if b > window_start and a < window_end]
+    assert len(pairs) >= STREAMS, len(pairs)
+    return [b - a for a, b in pairs], results
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="a 30 MiB body stalls decoding while it is read and parsed (GIL convoy with the engine thread): "
+    "p99 0.3-0.6 s vs 0.05-0.07 s alone on a quiet 2-core machine",
+)
+def test_streams_keep_their_pace_under_a_huge_body_and_a_long_tokenization(server):
+    loads = [_huge_body(), _one_word_body()]
+    _phase(server.url, [], tokens=2)  # warm up: the batch shapes, the prefix cache
+    alone, loaded, load_times = [], [], []
+    for _ in range(ROUNDS):
+        gaps, _ = _phase(server.url, [])
+        alone.append(p99(gaps))
+        gaps, results = _phase(server.url, loads)
+        loaded.append(p99(gaps))
+        load_times.append([round(t, 2) for _, t in results])
+        assert len(results) == 2 and all(status == 400 for status, _ in results), (
+            results
+        )  # both read, refused
+    base, under = statistics.median(alone), statistics.median(loaded)
+    print(
+        f"\ninter-token p99 alone {[round(x * 1000) for x in alone]} ms, loaded {[round(x * 1000) for x in loaded]} "
+        f"ms; medians {base * 1000:.0f} / {under * 1000:.0f} ms; load requests took {load_times} s"
+    )
+    assert under <= 2 * base, (alone, loaded)
