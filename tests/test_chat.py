@@ -344,3 +344,29 @@ def test_errors_leave_the_server_serving(http):
     ):
         assert http.post("/v1/chat/completions", json=body).status_code == 400
     assert chat(http, max_tokens=2)["choices"][0]["message"]["content"] is not None
+
+
+# ---------------------------------------------------------------- predicted outputs
+
+
+def test_a_right_prediction_is_accepted_and_changes_nothing(http_f32):
+    """float32: greedy answers do not depend on how many tokens a step verifies."""
+    base = {"model": MODEL, "messages": STORY, "max_tokens": 40, "temperature": 0}
+    plain = chat(http_f32, **base)
+    text = plain["choices"][0]["message"]["content"]
+    predicted = chat(http_f32, **base, prediction={"type": "content", "content": text})
+    assert predicted["choices"][0]["message"]["content"] == text
+    details = predicted["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] >= 30
+    assert plain["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
+
+
+def test_a_wrong_prediction_changes_nothing(http_f32):
+    base = {"model": MODEL, "messages": STORY, "max_tokens": 24, "temperature": 0}
+    text = chat(http_f32, **base)["choices"][0]["message"]["content"]
+    parts = [
+        {"type": "text", "text": "A completely different"},
+        {"type": "text", "text": "story about robots."},
+    ]
+    wrong = chat(http_f32, **base, prediction={"type": "content", "content": parts})
+    assert wrong["choices"][0]["message"]["content"] == text
