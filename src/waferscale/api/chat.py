@@ -33,7 +33,7 @@ from waferscale.api.pipeline import (
     token_limits,
 )
 from waferscale.api.reasoning import ReasoningSplitter, prompt_opens_reasoning
-from waferscale.api.tokens import token_bytes, top_items
+from waferscale.api.tokens import token_bytes
 from waferscale.engine import GenerationEvent, SamplingParams, TokenLogprob
 from waferscale.models.chat_template import ChatTemplate, TemplateError
 from waferscale.models.tokenizer import ModelTokenizer
@@ -262,30 +262,19 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
 
 
 def logprob_entries(entries: list[TokenLogprob], k: int, tok: ModelTokenizer) -> list[dict]:
-    """The chat shape: one object per token, its k alternatives sorted, bytes for each."""
-    out = []
-    for e in entries:
-        top = sorted(top_items(tok, e.top, e.token_id, e.text, e.logprob), key=lambda t: t[2], reverse=True)[
-            :k
-        ]
-        out.append(
-            {
-                "token": e.text,
-                "logprob": e.logprob,
-                "bytes": token_bytes(tok, e.token_id, e.text),
-                "top_logprobs": [
-                    {
-                        "token": t,
-                        "logprob": v,
-                        "bytes": token_bytes(tok, i, t)
-                        if i is not None
-                        else list(t.encode("utf-8", "surrogatepass")),
-                    }
-                    for i, t, v in top
-                ],
-            }
-        )
-    return out
+    """The chat shape: one object per token, its k alternatives sorted, each with its own bytes."""
+    return [
+        {
+            "token": e.text,
+            "logprob": e.logprob,
+            "bytes": token_bytes(tok, e.token_id, e.text),
+            "top_logprobs": [
+                {"token": t, "logprob": v, "bytes": token_bytes(tok, i, t)}
+                for i, t, v in sorted(e.top or [], key=lambda item: item[2], reverse=True)[:k]
+            ],
+        }
+        for e in entries
+    ]
 
 
 @dataclass

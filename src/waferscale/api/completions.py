@@ -205,7 +205,7 @@ def logprobs_block(entries: list[TokenLogprob], base: int, k: int, tok: ModelTok
             if e.top is None:
                 tops.append(None)
                 continue
-            top = top_named(tok, e.top, e.token_id, e.text, e.logprob)
+            top = top_named(tok, e.top)
             if name not in top and e.logprob is not None:
                 top[name] = e.logprob  # the sampled token always appears
             tops.append(top)

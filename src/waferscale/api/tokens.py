@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import re
-from collections import defaultdict
 
 from tokenizers import decoders
 
@@ -57,47 +56,6 @@ def token_name(tok: ModelTokenizer, token_id: int | None, text: str) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def _only_id(tok: ModelTokenizer, text: str) -> int | None:
-    ids = _ambiguous_texts(tok).get(text, [])
-    return ids[0] if len(ids) == 1 else None
-
-
-@functools.lru_cache(maxsize=4)
-def _ambiguous_texts(tok: ModelTokenizer) -> dict[str, list[int]]:
-    """Every token whose text holds U+FFFD, by that text (built once per tokenizer, on first need)."""
-    out: dict[str, list[int]] = defaultdict(list)
-    for token_id in range(tok.vocab_size):
-        text = tok.token_text(token_id)
-        if REPLACEMENT in text:
-            out[text].append(token_id)
-    return dict(out)
-
-
-def top_items(tok: ModelTokenizer, top, sampled_id: int, sampled_text: str, sampled_logprob):
-    """(token_id or None, text, logprob) for each alternative. Items are (text, logprob) as the engine gives them
-    today, or (token_id, text, logprob) where it gives ids. Without an id, an item whose text and logprob are the
-    sampled token's is that token, and a text that only one token of the vocabulary decodes to is that token."""
-    for item in top or []:
-        if len(item) == 3:
-            yield item
-            continue
-        text, value = item
-        token_id = None
-        if text == sampled_text and value == sampled_logprob:
-            token_id = sampled_id
-        elif REPLACEMENT in text:
-            token_id = _only_id(tok, text)
-        yield token_id, text, value
-
-
-def top_named(
-    tok: ModelTokenizer, top, sampled_id: int, sampled_text: str, sampled_logprob
-) -> dict[str, float]:
-    """A top_logprobs dict keyed by token name; where two items still share a name (no id tells them apart), the
-    higher logprob is kept, never overwritten by a lower one."""
-    out: dict[str, float] = {}
-    for token_id, text, value in top_items(tok, top, sampled_id, sampled_text, sampled_logprob):
-        name = token_name(tok, token_id, text)
-        if name not in out or value > out[name]:
-            out[name] = value
-    return out
+def top_named(tok: ModelTokenizer, top: list[tuple[int, str, float]] | None) -> dict[str, float]:
+    """A completions top_logprobs dict, keyed by token name (distinct for every token, byte tokens included)."""
+    return {token_name(tok, token_id, text): value for token_id, text, value in top or []}

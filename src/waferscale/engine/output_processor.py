@@ -202,7 +202,7 @@ class OutputProcessor:
                     token_id=token,
                     text=self.tokenizer.token_text(token),
                     logprob=lp,
-                    top=[(self.tokenizer.token_text(i), v) for i, v in top] if params.logprobs else None,
+                    top=[(i, self.tokenizer.token_text(i), v) for i, v in top] if params.logprobs else None,
                     offset=len(seq.detokenizer.text),
                 )
             )
@@ -238,7 +238,7 @@ class OutputProcessor:
             tok = ids[first_pos + j + 1]
             lp, top = sampler.token_logprobs(rows[j], tok, k)
             seq.prompt_logprobs.append(
-                TokenLogprob(tok, text(tok), lp, [(text(i), v) for i, v in top] if k else None)
+                TokenLogprob(tok, text(tok), lp, [(i, text(i), v) for i, v in top] if k else None)
             )
 
     # ------------------------------------------------------------------ events

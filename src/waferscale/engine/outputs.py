@@ -14,7 +14,7 @@ class TokenLogprob:
     token_id: int
     text: str
     logprob: float | None
-    top: list[tuple[str, float]] | None = None
+    top: list[tuple[int, str, float]] | None = None  # the most likely alternatives: (token id, text, logprob)
     offset: int = 0
 
 
