@@ -71,4 +71,12 @@ def test_string_prompts_tokenize_as_transformers_does(server_f32, reference):
             assert out["usage"]["prompt_tokens"] == len(expected)
             assert out["choices"][0]["text"] == prompt
             tokens = out["choices"][0]["logprobs"]["tokens"]
-            assert tokens == [tokenizer.decode([t]) for t in expected]
+            assert [_as_text(t) for t in tokens] == [tokenizer.decode([t]) for t in expected]
+            assert any(t.startswith("bytes:") for t in tokens) == prompt.endswith("😀")  # part of a character
+
+
+def _as_text(name: str) -> str:
+    """A logprobs token name as text: `bytes:\\xNN...` (a token that is not whole UTF-8) decodes with U+FFFD."""
+    if not name.startswith("bytes:"):
+        return name
+    return bytes.fromhex(name[len("bytes:") :].replace("\\x", "")).decode("utf-8", "replace")

@@ -1,34 +1,39 @@
-"""Streams keep their pace while the server takes in a 30 MiB body and a long tokenization: the inter-token
-latency p99 of 16 decoding streams stays within 2x of the same streams measured alone.
+"""Streams keep their pace while the server takes in a 30 MiB body and a long tokenization? Prints the inter-token
+latency p99 of 16 decoding streams measured alone and under those loads, and the verdict against issue 16's bar
+(loaded p99 within 2x of alone).
 
-Measured (2 shared cores; one quiet run, load average ~1): p99 alone 47-69 ms; with the one-word tokenization
-(nice 10) 116-261 ms; with the 30 MiB body 276-584 ms: while the server reads and parses that body (0.2-0.7 s) no
-stream gets a token. The event loop's Python work on the body (h11 parsing, then json.loads, 0.13 s of held GIL)
-makes the engine thread wait for the GIL after every torch op (up to the 5 ms switch interval each), so decode
-steps stall for the whole read. Under heavy load from other work (load average 6-8) the noise is larger than the
-effect and the test passes (alone 2.4 s, loaded 3.3 s medians). Hence xfail until the body is read without
-holding the engine's GIL (see the report of the http-edge branch); the bar stays 2x. Before this branch the 30 MiB
-prompt was tokenized whole under the GIL: minutes of stall on such a machine.
+Usage: .venv/bin/python scripts/edge_latency.py [--rounds 2]
 
 The phases interleave (alone, loaded, alone, loaded, ...) so that a change in the machine's load between them
-(the suite runs on shared 2-core machines) falls on both, and each side is the median of its phases' p99."""
+falls on both; each side is the median of its phases' p99. A timing target lives here, not in the test suite
+(shared 2-core machines are too noisy for a timed test to mean anything).
+
+Measured on a quiet 2-core machine (load average ~1): p99 alone 47-69 ms; with the one-word tokenization (nice 10)
+116-261 ms; with the 30 MiB body 276-584 ms: while the server reads and parses that body (0.2-0.7 s) no stream gets a
+token. The event loop's Python work on the body (h11 parsing, then json.loads, 0.13 s of held GIL) makes the engine
+thread wait for the GIL after every torch op (up to the 5 ms switch interval each), so decode steps stall for the
+whole read. Before the edge work the 30 MiB prompt was tokenized whole under the GIL: minutes of stall.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
 import string
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
-import pytest
-from conftest import MODEL
 
+from waferscale.local_server import served
+
+MODEL = "smollm2-135m-instruct"
 STREAMS = 16
 TOKENS = 8  # tokens each stream decodes at least per phase (streams run on until the loads are answered)
-ROUNDS = 2  # phases of each kind
 MiB = 1 << 20
 
 
@@ -123,27 +128,28 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="a 30 MiB body stalls decoding while it is read and parsed (GIL convoy with the engine thread): "
-    "p99 0.3-0.6 s vs 0.05-0.07 s alone on a quiet 2-core machine",
-)
-def test_streams_keep_their_pace_under_a_huge_body_and_a_long_tokenization(server):
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2, help="phases of each kind (default 2)")
+    args = ap.parse_args()
+    log = Path(".cache") / "edge-latency-server.log"
+    log.parent.mkdir(exist_ok=True)
     loads = [_huge_body(), _one_word_body()]
-    _phase(server.url, [], tokens=2)  # warm up: the batch shapes, the prefix cache
-    alone, loaded, load_times = [], [], []
-    for _ in range(ROUNDS):
-        gaps, _ = _phase(server.url, [])
-        alone.append(p99(gaps))
-        gaps, results = _phase(server.url, loads)
-        loaded.append(p99(gaps))
-        load_times.append([round(t, 2) for _, t in results])
-        assert len(results) == 2 and all(status == 400 for status, _ in results), (
-            results
-        )  # both read, refused
+    with served([sys.executable, "-m", "waferscale", "serve"], log, "waferscale", timeout=300) as (url, _):
+        _phase(url, [], tokens=2)  # warm up: the batch shapes, the prefix cache
+        alone, loaded, load_times = [], [], []
+        for _ in range(args.rounds):
+            gaps, _ = _phase(url, [])
+            alone.append(p99(gaps))
+            gaps, results = _phase(url, loads)
+            loaded.append(p99(gaps))
+            load_times.append([(status, round(t, 2)) for status, t in results])
     base, under = statistics.median(alone), statistics.median(loaded)
-    print(
-        f"\ninter-token p99 alone {[round(x * 1000) for x in alone]} ms, loaded {[round(x * 1000) for x in loaded]} "
-        f"ms; medians {base * 1000:.0f} / {under * 1000:.0f} ms; load requests took {load_times} s"
-    )
-    assert under <= 2 * base, (alone, loaded)
+    print(f"inter-token p99 alone, ms:  {[round(x * 1000) for x in alone]}  median {base * 1000:.0f}")
+    print(f"inter-token p99 loaded, ms: {[round(x * 1000) for x in loaded]}  median {under * 1000:.0f}")
+    print(f"load requests (status, s): {load_times}")
+    print(f"verdict: loaded/alone = {under / base:.2f}x; {'PASS' if under <= 2 * base else 'FAIL'} (bar 2x)")
+
+
+if __name__ == "__main__":
+    main()
