@@ -37,21 +37,34 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def forward(self, batch: ScheduledBatch) -> ForwardOutput:
-        """One forward over every scheduled token: decode rows first, then each prefill chunk."""
-        decodes, prefills = batch.decodes, batch.prefills
-        ids, positions, slots = [], [], []
-        for seq in decodes:
+        """One forward over every scheduled token: decode rows first, then each prefill chunk.
+
+        A sequence verifying the drafts of its predicted output runs as decode rows too, one per position (its last
+        token, then each draft), each attending up to its own position: the same kernels and the same numbers as
+        decoding those tokens one step at a time, so a prediction never changes the answer."""
+        verifies = [(seq, chunk) for seq, chunk in batch.prefills if seq.drafts]
+        prefills = [(seq, chunk) for seq, chunk in batch.prefills if not seq.drafts]
+        rows: list[tuple[Sequence, int, int]] = []  # decode rows: sequence, position, token
+        for seq in batch.decodes:
             p = len(seq.token_ids) - 1
-            ids.append(seq.token_ids[p])
-            positions.append(p)
+            rows.append((seq, p, seq.token_ids[p]))
+        draft_rows: list[tuple[Sequence, int, int]] = []
+        for seq, chunk in verifies:
+            start = seq.num_computed
+            draft_rows.append((seq, len(rows), chunk))
+            tokens = seq.token_ids[start:] + seq.drafts
+            rows.extend((seq, start + j, t) for j, t in enumerate(tokens[:chunk]))
+        ids = [t for _, _, t in rows]
+        positions = [p for _, p, _ in rows]
+        slots = []
         paged = PagedBatch(self.pool, torch.empty(0, dtype=torch.long))
-        if decodes:
-            lengths = torch.tensor([len(s.token_ids) for s in decodes])
-            width = max(len(s.block_table) for s in decodes)
-            tables = torch.zeros(len(decodes), width, dtype=torch.long)
-            for i, seq in enumerate(decodes):
+        if rows:
+            lengths = torch.tensor([p + 1 for _, p, _ in rows])
+            width = max(len(s.block_table) for s, _, _ in rows)
+            tables = torch.zeros(len(rows), width, dtype=torch.long)
+            for i, (seq, _, _) in enumerate(rows):
                 tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table)
-            paged.num_decode = len(decodes)
+            paged.num_decode = len(rows)
             paged.decode_tables = tables
             paged.decode_lengths = lengths
             paged.native = self.native
@@ -61,28 +74,23 @@ class ModelRunner:
                 )[:, None, None]
             last = lengths - 1
             slots.append(
-                tables[torch.arange(len(decodes)), last // self.block_size] * self.block_size
+                tables[torch.arange(len(rows)), last // self.block_size] * self.block_size
                 + last % self.block_size
             )
-        row = len(decodes)
-        sample_rows: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(decodes)]
+        row = len(rows)
+        sample_rows: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(batch.decodes)]
         score_rows: list[tuple[Sequence, int, int, int]] = []
-        draft_rows: list[tuple[Sequence, int, int]] = []
         for seq, chunk in prefills:
             start = seq.num_computed
             end = start + chunk
-            if seq.drafts:  # the last token and the prediction's drafts: every row is sampled
-                ids.extend(seq.token_ids[start:] + seq.drafts)
-                draft_rows.append((seq, row, chunk))
-            else:
-                ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.append(self._slots(seq, start, end))
             table = torch.tensor(seq.block_table[: -(-end // self.block_size)])
             paged.prefills.append((row, row + chunk, table, start, end))
             if seq.params.prompt_logprobs and not seq.prompt_logprobs_sent:
                 score_rows.append((seq, row, start, chunk))
-            if end == len(seq.token_ids) and not seq.drafts:
+            if end == len(seq.token_ids):
                 sample_rows.append((seq, row + chunk - 1))
             row += chunk
         paged.slots = torch.cat(slots)
