@@ -82,7 +82,7 @@ RUNS = [
 def test_generated_requests_get_conforming_answers(api_schema, keyed_server, method, path, mode):
     operation = api_schema[path][method]
     statuses = []
-    examples = {"/v1/completions": 300, "/v1/chat/completions": 250}.get(path, 200)
+    examples = {"/v1/completions": 300, "/v1/chat/completions": 120}.get(path, 200)
 
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
