@@ -165,14 +165,14 @@ def complete(http: httpx.Client, **body):
     return r.json()
 
 
-def sse_events(http: httpx.Client, **body) -> list:
-    """The `data:` payloads of a streamed completion, [DONE] included as the string."""
+def sse_events(http: httpx.Client, path: str = "/v1/completions", **body) -> list:
+    """The `data:` payloads of a streamed request to `path`, [DONE] included as the string."""
     import json
 
     body.setdefault("model", MODEL)
     body["stream"] = True
     out = []
-    with http.stream("POST", "/v1/completions", json=body) as r:
+    with http.stream("POST", path, json=body) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():

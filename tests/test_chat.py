@@ -9,7 +9,7 @@ import json
 
 import msgpack
 import pytest
-from conftest import ALIAS, MODEL, complete
+from conftest import ALIAS, MODEL, complete, sse_events
 
 HELLO = [{"role": "user", "content": "What is the capital of France?"}]
 SYSTEM = [{"role": "system", "content": "You are a terse assistant."}, *HELLO]
@@ -37,18 +37,8 @@ def chat_error(http, status: int, **body) -> dict:
 
 
 def chat_events(http, **body) -> list:
-    body.setdefault("model", MODEL)
     body.setdefault("messages", HELLO)
-    body["stream"] = True
-    out = []
-    with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200, r.read()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: ") :]
-                out.append(data if data == "[DONE]" else json.loads(data))
-    return out
+    return sse_events(http, "/v1/chat/completions", **body)
 
 
 def rendered(hf_tokenizer, messages, **kwargs) -> list[int]:
