@@ -405,8 +405,8 @@ class ChatRun:
         events = [s.last for s in self.run.seqs if s.last is not None]
         details = {
             "reasoning_tokens": sum(o.reasoning_tokens for o in self.outputs),
-            "accepted_prediction_tokens": sum(getattr(e, "accepted_prediction_tokens", 0) for e in events),
-            "rejected_prediction_tokens": sum(getattr(e, "rejected_prediction_tokens", 0) for e in events),
+            "accepted_prediction_tokens": sum(e.accepted_prediction_tokens for e in events),
+            "rejected_prediction_tokens": sum(e.rejected_prediction_tokens for e in events),
         }
         return self.run.usage(details)
 

@@ -57,6 +57,7 @@ class ImageContent(BaseModel):
 
 
 def _part_type(value: Any) -> str | None:
+    """The `type` tag of a content part or a response format (raw dict or model)."""
     return value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
 
 
@@ -188,16 +189,12 @@ class ResponseFormatJsonSchema(BaseModel):
     type: Literal["json_schema"] = Field(title="Type")
 
 
-def _format_type(value: Any) -> str | None:
-    return _part_type(value)
-
-
 ResponseFormat = Annotated[
     Annotated[ResponseFormatText, Tag("text")]
     | Annotated[ResponseFormatJsonObject, Tag("json_object")]
     | Annotated[ResponseFormatJsonSchema, Tag("json_schema")],
     Discriminator(
-        _format_type,
+        _part_type,
         custom_error_type="invalid_format",
         custom_error_message="response_format.type must be one of: text, json_object, json_schema",
     ),

@@ -64,14 +64,21 @@ class OutputProcessor:
         """Sample the next token of every sequence from its row of `logits`, in one batched draw."""
         events: list[GenerationEvent] = []
         for seq, token, lp, top in self._pick(seqs, logits, events):
-            try:
-                self.accept(seq, token, lp, top)
-            except Exception as exc:
-                log.warning("sampling failed for %s: %s", seq.request_id, exc)
-                events.append(self.fail(seq, internal_error(exc)))
-                continue
-            events.append(self.event(seq))
+            if self._accept_or_fail(seq, token, lp, top, events):
+                events.append(self.event(seq))
         return events
+
+    def _accept_or_fail(
+        self, seq: Sequence, token: int, lp: float, top, events: list[GenerationEvent]
+    ) -> bool:
+        """Accept a sampled token; a failure ends that sequence alone (its error event added). False if it failed."""
+        try:
+            self.accept(seq, token, lp, top)
+        except Exception as exc:
+            log.warning("sampling failed for %s: %s", seq.request_id, exc)
+            events.append(self.fail(seq, internal_error(exc)))
+            return False
+        return True
 
     def verify(self, seq: Sequence, logits: torch.Tensor) -> list[GenerationEvent]:
         """Sample position by position over the rows of seq's last token and its drafts (its usual controls and
@@ -84,11 +91,7 @@ class OutputProcessor:
             if not picks:
                 break
             _, token, lp, top = picks[0]
-            try:
-                self.accept(seq, token, lp, top)
-            except Exception as exc:
-                log.warning("sampling failed for %s: %s", seq.request_id, exc)
-                events.append(self.fail(seq, internal_error(exc)))
+            if not self._accept_or_fail(seq, token, lp, top, events):
                 break
             hit = j < len(drafts) and token == drafts[j]
             accepted += hit
