@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import msgpack
 from fastapi import Depends, FastAPI, Request
@@ -24,7 +25,7 @@ from waferscale.api.completions import CompletionRun, plan_request, validate_req
 from waferscale.api.decoding import (
     MAX_BODY_BYTES,
     REQUEST_CONTENT_TYPES,
-    decode_body,
+    BodyDecoder,
     read_limited,
     wants_msgpack,
 )
@@ -44,6 +45,9 @@ log = logging.getLogger("waferscale.api")
 
 def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
     """The app serving `ctx`'s model; the engine thread starts and stops with the app's lifespan."""
+    # Tokenize on the calling thread, never on tokenizers' own pool: a long prompt is then tokenized at the low
+    # priority of the thread that asked (pipeline.encode), and takes only the CPU the decoding streams leave.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -51,6 +55,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         try:
             yield
         finally:
+            bodies.close()
             ctx.engine.stop()
 
     app = FastAPI(
@@ -60,6 +65,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         lifespan=lifespan,
     )
     auth = BearerAuth(api_keys)
+    bodies = BodyDecoder()
     install_handlers(app)
 
     @app.get("/health", tags=["Server"])
@@ -101,10 +107,10 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
 
     async def read_body(request: Request) -> dict:
         """The decoded request body (JSON or msgpack, optionally gzip), read as a stream under MAX_BODY_BYTES
-        whatever its framing, and parsed off the event loop."""
+        whatever its framing, and parsed off the event loop (large bodies in a child process)."""
         body = await read_limited(request.stream(), request.headers.get("content-length"), MAX_BODY_BYTES)
-        return await run_in_threadpool(
-            decode_body, body, request.headers.get("content-type"), request.headers.get("content-encoding")
+        return await bodies.decode(
+            body, request.headers.get("content-type"), request.headers.get("content-encoding")
         )
 
     def answer(request: Request, result: dict) -> Response:
