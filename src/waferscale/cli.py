@@ -228,6 +228,9 @@ def serve(args) -> None:
     # from 1 to --max-num-batched-tokens, so the default cache alone grows RSS by hundreds of MiB over hours. Read by
     # oneDNN at its first GEMM, so it must be set before the model runs; an operator's own setting wins.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
+    # PyTorch's ideep keeps its own cache of oneDNN computations per shape (LRU_CACHE_CAPACITY, 1,024 by default),
+    # beside oneDNN's: the same bound, for the same reason.
+    os.environ.setdefault("LRU_CACHE_CAPACITY", "256")
     import uvicorn
 
     from waferscale.api.auth import Keyring, parse_keys
