@@ -206,14 +206,17 @@ def _refusal(suffix: str, counts: str, amount: int, bucket: TokenBucket, wait: f
     if counts == "requests":
         return f"{head} The limit is {bucket.capacity} {per}; retry in {math.ceil(wait)} s."
     what = "tokens" if counts == "tokens" else "uncached tokens"
-    need = f"This request reserves {amount} tokens (its prompt plus max_tokens for each choice, or the context left"
+    need = (
+        f"This request reserves {amount} tokens (its prompt plus max_tokens for each choice, the context left where "
+        "max_tokens is unset)"
+    )
     if math.isinf(wait):
         return (
-            f"{head} {need} when unset), more than the key's limit of {bucket.capacity} {what} {per}: set "
-            "max_tokens (max_completion_tokens for chat) so that it fits."
+            f"{head} {need}, more than the key's limit of {bucket.capacity} {what} {per}: set max_tokens "
+            "(max_completion_tokens for chat) so that it fits."
         )
     left = max(0, math.floor(bucket.level))  # as of the check that refused the request
     return (
-        f"{head} {need} when unset); {left} of {bucket.capacity} {what} {per} are left: retry in "
-        f"{math.ceil(wait)} s or ask for fewer tokens."
+        f"{head} {need}; {left} of {bucket.capacity} {what} {per} are left: retry in {math.ceil(wait)} s or ask "
+        "for fewer tokens."
     )
