@@ -1,4 +1,5 @@
-"""Command line: `waferscale serve` runs the server; `waferscale complete` prints one completion."""
+"""Command line: `waferscale serve` runs the server; `waferscale complete` prints one completion; `waferscale usage`
+prints each key's usage from a running server."""
 
 from __future__ import annotations
 
@@ -82,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         "WAFERSCALE_API_KEY); with none, the server is open",
     )
     serve.add_argument(
+        "--api-keys-file",
+        metavar="FILE",
+        help="TOML file of named keys with optional limits ([keys.NAME] with key or key_sha256, "
+        "requests_per_minute, tokens_per_day...; see docs/api.md); re-read on SIGHUP",
+    )
+    serve.add_argument(
         "--kv-cache-memory",
         type=parse_size,
         default="512MiB",
@@ -144,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-tokens", type=int, default=128)
     bench.add_argument("--api-key")
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    usage = sub.add_parser(
+        "usage",
+        help="print each key's usage from a running server",
+        description="Print each key's requests, tokens and 429s, read from a running server's /metrics.",
+    )
+    usage.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
+    usage.add_argument("--api-key", help="a key of that server (also read from WAFERSCALE_API_KEY)")
     return parser
 
 
@@ -158,6 +172,10 @@ def main(argv: list[str] | None = None) -> None:
         from waferscale.bench import main as bench_main
 
         bench_main(args)
+    elif args.command == "usage":
+        from waferscale.usage import main as usage_main
+
+        usage_main(args)
 
 
 def _load(args):
@@ -210,16 +228,24 @@ def serve(args) -> None:
     # from 1 to --max-num-batched-tokens, so the default cache alone grows RSS by hundreds of MiB over hours. Read by
     # oneDNN at its first GEMM, so it must be set before the model runs; an operator's own setting wins.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
+    # PyTorch's ideep keeps its own cache of oneDNN computations per shape (LRU_CACHE_CAPACITY, 1,024 by default),
+    # beside oneDNN's: the same bound, for the same reason.
+    os.environ.setdefault("LRU_CACHE_CAPACITY", "256")
     import uvicorn
 
-    from waferscale.api.auth import parse_keys
+    from waferscale.api.auth import Keyring, parse_keys
+    from waferscale.api.keys import KeyFileError
     from waferscale.api.pipeline import ServingContext
     from waferscale.api.server import create_app
     from waferscale.engine import AsyncEngine, LLMEngine
     from waferscale.models.chat_template import ChatTemplate
 
     log = logging.getLogger("waferscale")
-    keys = parse_keys(args.api_key, os.environ.get("WAFERSCALE_API_KEY"))
+    try:
+        keyring = Keyring(parse_keys(args.api_key, os.environ.get("WAFERSCALE_API_KEY")), args.api_keys_file)
+    except KeyFileError as exc:
+        print(f"waferscale: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
     def build():
         loaded = _load(args)
@@ -247,11 +273,14 @@ def serve(args) -> None:
         max_waiting=args.max_waiting,
         chat_template=ChatTemplate.for_tokenizer(loaded.tokenizer),
     )
-    app = create_app(ctx, keys)
-    if not keys:
+    app = create_app(ctx, keyring)
+    if not keyring.enabled:
         log.warning(
-            "no API key set (--api-key or WAFERSCALE_API_KEY): the server is open to anyone who can reach it"
+            "no API key set (--api-key, WAFERSCALE_API_KEY or --api-keys-file): the server is open to anyone who "
+            "can reach it"
         )
+    else:
+        log.info("keys: %s", ", ".join(keyring.names))
     reach = (
         "this machine only; --host 0.0.0.0 serves other machines too"
         if args.host in ("127.0.0.1", "localhost", "::1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -40,17 +41,19 @@ def tail(path: Path, lines: int = 25) -> str:
 
 @contextmanager
 def served(
-    argv: list[str], log: Path, label: str, timeout: float = 900
+    argv: list[str], log: Path, label: str, timeout: float = 900, env: dict[str, str] | None = None
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run `argv --host 127.0.0.1 --port P` (output to `log`), wait until /health answers 200, yield its URL and
-    process, then stop it."""
+    """Run `argv --host 127.0.0.1 --port P` (output to `log`, with `env` added to this process's environment),
+    wait until /health answers 200, yield its URL and process, then stop it."""
     import httpx
 
     port = free_port()
     argv = [*argv, "--host", HOST, "--port", str(port)]
     print(f"starting {label}: {' '.join(argv)}", file=sys.stderr)
     with open(log, "w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}
+        )
     url = f"http://{HOST}:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -44,6 +44,30 @@ class EngineCollector:
         yield _histogram("inter_token_latency_seconds", "time between tokens of a sequence", stats.itl)
 
 
+USAGE = {  # KeyUsage field -> (metric name, help)
+    "requests": ("key_requests", "requests admitted, by key name"),
+    "prompt_tokens": ("key_prompt_tokens", "prompt tokens of finished requests, by key name"),
+    "cached_tokens": ("key_cached_tokens", "prompt tokens served from the prefix cache, by key name"),
+    "completion_tokens": ("key_completion_tokens", "tokens generated, by key name"),
+    "rate_limited": ("key_rate_limited", "requests refused with 429 over the key's limits, by key name"),
+}
+
+
+class UsageCollector:
+    """Counters of each key's usage, labelled by key name (the names in the key file, never the keys)."""
+
+    def __init__(self, usage: Callable[[], dict]):
+        self.usage = usage
+
+    def collect(self):
+        by_name = self.usage()
+        for field, (name, help_text) in USAGE.items():
+            family = CounterMetricFamily(PREFIX + name, help_text, labels=["key"])
+            for key_name, usage in sorted(by_name.items()):
+                family.add_metric([key_name], getattr(usage, field))
+            yield family
+
+
 def _histogram(name: str, help_text: str, h: HistogramSnapshot | None) -> HistogramMetricFamily:
     family = HistogramMetricFamily(PREFIX + name, help_text)
     if h is None:

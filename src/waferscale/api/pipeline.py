@@ -246,6 +246,12 @@ class Run:
         self.created = int(time.time())
         self.started = time.perf_counter()
         self.seqs = [Sequence(i) for i in range(len(prompts)) for _ in range(per_prompt)]
+        self.on_finish: Callable[[Run], None] | None = None  # called once when the request ends, however it ends
+
+    def _finished(self) -> None:
+        callback, self.on_finish = self.on_finish, None
+        if callback is not None:
+            callback(self)
 
     def _generate(self, k: int) -> AsyncIterator[GenerationEvent]:
         i = self.seqs[k].prompt_index
@@ -272,6 +278,7 @@ class Run:
             watcher.cancel()
             for t in tasks:
                 t.cancel()
+            self._finished()
         failed = next((s for s in self.seqs if s.error), None)
         if failed is not None:
             raise engine_error(failed.error)
@@ -303,6 +310,7 @@ class Run:
         except BaseException:
             for t in self._tasks:
                 t.cancel()
+            self._finished()
             raise
 
     async def events(self) -> AsyncIterator[tuple[int, GenerationEvent]]:
@@ -319,6 +327,7 @@ class Run:
         finally:
             for t in self._tasks:
                 t.cancel()
+            self._finished()
 
     def usage(self, completion_details: dict | None = None) -> dict:
         """Prompt tokens once per prompt, cached tokens once per prompt (never above its length)."""

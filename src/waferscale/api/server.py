@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
+import signal
 
 import msgpack
 from fastapi import Depends, FastAPI, Request
@@ -13,7 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 
 from waferscale import __version__
-from waferscale.api.auth import BearerAuth
+from waferscale.api.auth import BearerAuth, Keyring
 from waferscale.api.chat import ChatRun, plan_chat, validate_chat_request
 from waferscale.api.chat_schemas import (
     ChatCompletionRequest,
@@ -30,8 +32,10 @@ from waferscale.api.decoding import (
     wants_msgpack,
 )
 from waferscale.api.errors import FLAT_PATHS, APIError, install_handlers
-from waferscale.api.metrics import CONTENT_TYPE, make_registry, render
+from waferscale.api.keys import KeyFileError
+from waferscale.api.metrics import CONTENT_TYPE, UsageCollector, make_registry, render
 from waferscale.api.pipeline import ServingContext, check_capacity
+from waferscale.api.quota import RateLimitHeaders, reserve
 from waferscale.api.schemas import (
     CompletionRequest,
     CreateCompletionResponse,
@@ -43,18 +47,24 @@ from waferscale.api.schemas import (
 log = logging.getLogger("waferscale.api")
 
 
-def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
-    """The app serving `ctx`'s model; the engine thread starts and stops with the app's lifespan."""
+def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
+    """The app serving `ctx`'s model; the engine thread starts and stops with the app's lifespan. A Keyring with a
+    key file is re-read on SIGHUP."""
     # Tokenize on the calling thread, never on tokenizers' own pool: a long prompt is then tokenized at the low
     # priority of the thread that asked (pipeline.encode), and takes only the CPU the decoding streams leave.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    auth = BearerAuth(api_keys)
+    bodies = BodyDecoder()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         ctx.engine.start()
+        reloads = auth.keyring.file is not None and _on_sighup(lambda: _reload(auth.keyring))
         try:
             yield
         finally:
+            if reloads:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             bodies.close()
             ctx.engine.stop()
 
@@ -64,9 +74,8 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         description="A self-hosted server for the Cerebras Inference API.",
         lifespan=lifespan,
     )
-    auth = BearerAuth(api_keys)
-    bodies = BodyDecoder()
     install_handlers(app)
+    app.add_middleware(RateLimitHeaders)
 
     @app.get("/health", tags=["Server"])
     async def health() -> dict:
@@ -80,6 +89,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         return {"status": "ok"}
 
     registry = make_registry(ctx.engine.stats, lambda: {"rejected_requests": ctx.rejected})
+    registry.register(UsageCollector(auth.keyring.usage))
 
     @app.get("/metrics", tags=["Server"], response_class=PlainTextResponse, dependencies=[Depends(auth)])
     async def metrics() -> str:  # (a Response returned as is; str keeps the documented schema)
@@ -158,6 +168,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         check_capacity(len(plan.prompts) * plan.best_of, ctx)
         trace(request, "completion", req.user)
         run = CompletionRun(plan, ctx, fault_after(request))
+        reserve(request, run.run)  # 429 over the key's limits, before anything is queued
         if req.stream:
             await run.run.start()  # admitted (or refused with a real status) before the 200
             return StreamingResponse(
@@ -194,6 +205,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         check_capacity(plan.n, ctx)
         trace(request, "chat", req.user)
         run = ChatRun(plan, ctx, fault_after(request))
+        reserve(request, run.run)  # 429 over the key's limits, before anything is queued
         if req.stream:
             await run.run.start()  # admitted (or refused with a real status) before the 200
             return StreamingResponse(
@@ -208,6 +220,25 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
 
     app.openapi = openapi
     return app
+
+
+def _on_sighup(callback) -> bool:
+    """Run `callback` on the event loop at each SIGHUP; False where signals cannot be handled (not the main
+    thread, not Unix)."""
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, callback)
+    except (AttributeError, NotImplementedError, RuntimeError, ValueError):
+        return False
+    return True
+
+
+def _reload(keyring: Keyring) -> None:
+    try:
+        keyring.reload()
+    except KeyFileError as exc:
+        log.error("SIGHUP: keys not reloaded, the ones in use stay: %s", exc)
+        return
+    log.info("SIGHUP: reloaded %s: keys %s", keyring.file, ", ".join(keyring.names) or "(none)")
 
 
 def build_openapi(app: FastAPI) -> dict:
@@ -281,7 +312,7 @@ _ERROR_DESCRIPTIONS = {
     404: "No such model on this server",
     413: "Request body too large",
     415: "Unsupported content type or content encoding",
-    429: "Waiting queue full; retry after the Retry-After header's seconds",
+    429: "Over the key's rate limits, or waiting queue full; retry after the Retry-After header's seconds",
     500: "Generation failed for this request",
     503: "Not admitted before --queue-timeout, or the server is shutting down",
 }

@@ -11,6 +11,7 @@ import asyncio
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from waferscale.engine.errors import ErrorKind, RequestError, internal_error
@@ -20,6 +21,7 @@ from waferscale.engine.outputs import GenerationEvent
 from waferscale.engine.params import SamplingParams
 
 log = logging.getLogger("waferscale.engine")
+TRIM_INTERVAL = 30.0  # seconds of uninterrupted work between heap trims (a trim costs milliseconds)
 
 
 class AsyncEngine:
@@ -114,10 +116,15 @@ class AsyncEngine:
     def _loop(self) -> None:
         engine = self.engine
         busy = False
+        trimmed = time.monotonic()
         while True:
             if busy and not engine.has_work():
                 busy = False
                 _trim_heap()  # the engine just went idle: hand freed heap back to the OS (outside the lock)
+                trimmed = time.monotonic()
+            elif busy and time.monotonic() - trimmed > TRIM_INTERVAL:
+                _trim_heap()  # a load that never pauses: freed heap still goes back this often
+                trimmed = time.monotonic()
             with self._cv:
                 while not self._commands and not engine.has_work() and not self._stopped:
                     self._cv.wait()

@@ -1,0 +1,47 @@
+"""The engine thread hands freed heap back to the OS when it goes idle and, under a load that never pauses, every
+TRIM_INTERVAL seconds: a server busy for weeks must not keep the heap's high-water mark."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from waferscale.engine import async_engine
+from waferscale.engine.async_engine import AsyncEngine
+
+
+class EndlessWork:
+    """An engine whose batch never empties until released; each step takes a millisecond."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.waiting: list = []
+
+    def has_work(self) -> bool:
+        return not self.release.is_set()
+
+    def step(self) -> list:
+        time.sleep(0.001)
+        return []
+
+
+def run_busy(monkeypatch, interval: float, seconds: float) -> int:
+    trims = []
+    monkeypatch.setattr(async_engine, "_trim_heap", lambda: trims.append(time.monotonic()))
+    monkeypatch.setattr(async_engine, "TRIM_INTERVAL", interval)
+    work = EndlessWork()
+    engine = AsyncEngine(work)
+    engine.start()
+    time.sleep(seconds)
+    busy_trims = len(trims)
+    work.release.set()
+    engine.stop()
+    return busy_trims
+
+
+def test_a_load_that_never_pauses_still_trims_the_heap(monkeypatch):
+    assert run_busy(monkeypatch, interval=0.05, seconds=0.5) >= 3
+
+
+def test_no_trim_between_steps_before_the_interval(monkeypatch):
+    assert run_busy(monkeypatch, interval=60, seconds=0.3) == 0
