@@ -266,7 +266,10 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: Annotated[int, Field(ge=-1)] | None = Field(
         default=None, title="Max Completion Tokens"
     )
-    max_tokens: Annotated[int, Field(ge=-1)] | None = Field(default=None, title="Max Tokens", deprecated=True)
+    # deprecated in the document only: pydantic's own flag would warn each time the pipeline reads it
+    max_tokens: Annotated[int, Field(ge=-1)] | None = Field(
+        default=None, title="Max Tokens", json_schema_extra={"deprecated": True}
+    )
     messages: list[ChatMessageRequest] = Field(min_length=1, title="Messages")
     min_completion_tokens: Annotated[int, Field(ge=-1)] | None = Field(
         default=None, title="Min Completion Tokens"
