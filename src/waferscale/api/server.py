@@ -158,6 +158,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         check_capacity(len(plan.prompts) * plan.best_of, ctx)
         trace(request, "completion", req.user)
         run = CompletionRun(plan, ctx, fault_after(request))
+        run.run.cache_key = req.prompt_cache_key
         if req.stream:
             await run.run.start()  # admitted (or refused with a real status) before the 200
             return StreamingResponse(
@@ -194,6 +195,7 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         check_capacity(plan.n, ctx)
         trace(request, "chat", req.user)
         run = ChatRun(plan, ctx, fault_after(request))
+        run.run.cache_key = req.prompt_cache_key
         if req.stream:
             await run.run.start()  # admitted (or refused with a real status) before the 200
             return StreamingResponse(
