@@ -47,6 +47,7 @@ class ServingContext:
     rejected: int = 0  # requests turned away with 429
     draining: bool = False  # shutting down: no new requests
     chat_template: object | None = None  # models.chat_template.ChatTemplate, built once at start
+    collectors: list = field(default_factory=list)  # more prometheus collectors for /metrics (per-replica series)
 
 
 def check_model(name: str, ctx: ServingContext) -> None:

@@ -80,6 +80,8 @@ def create_app(ctx: ServingContext, api_keys: list[str]) -> FastAPI:
         return {"status": "ok"}
 
     registry = make_registry(ctx.engine.stats, lambda: {"rejected_requests": ctx.rejected})
+    for collector in ctx.collectors:
+        registry.register(collector)
 
     @app.get("/metrics", tags=["Server"], response_class=PlainTextResponse, dependencies=[Depends(auth)])
     async def metrics() -> str:  # (a Response returned as is; str keeps the documented schema)
