@@ -1,11 +1,10 @@
 """`--replicas auto`: Serve's custom autoscaling policy over what the replicas report (queue depth, KV use) and
-the calls in flight. Up at once when busy for upscale_delay_s; down by one when the load would fit one replica
-fewer for downscale_delay_s (Serve then drains the replica it stops: its in-flight sequences finish)."""
+the calls in flight: up when busy for upscale_delay_s, down by one when the load would fit one replica fewer for
+downscale_delay_s (Serve then drains the replica it stops: its in-flight sequences finish)."""
 
 from __future__ import annotations
 
 import math
-import time
 
 KV_HIGH = 0.85  # mean KV-cache use above which more replicas are wanted (sequences would soon be preempted)
 KV_LOW = 0.5  # ... and below which one fewer may do
@@ -26,24 +25,11 @@ def decide(n: int, ongoing: float, waiting: float, kv: float, target: float) -> 
 
 
 def queue_and_kv_policy(ctx) -> tuple[int, dict]:
-    """Serve's policy function: the replica count, held until the wish has lasted its delay."""
+    """Serve's policy function: the replicas wanted now. Serve itself holds a change back until it has been wanted
+    for upscale_delay_s or downscale_delay_s, and keeps it within the bounds."""
     metrics = ctx.aggregated_metrics or {}
     waiting = sum((metrics.get("waiting") or {}).values())
     kv_values = list((metrics.get("kv_usage") or {}).values())
     kv = sum(kv_values) / len(kv_values) if kv_values else 0.0
-    config = ctx.config
-    n = ctx.current_num_replicas
-    wish = decide(n, ctx.total_num_requests, waiting, kv, config.target_ongoing_requests or 8)
-    wish = max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, wish))
-    state = dict(ctx.policy_state or {})
-    now = ctx.current_time or time.time()
-    if wish == n:
-        state.pop("since", None)
-        return n, state
-    if state.get("wish") != wish or "since" not in state:
-        state.update(wish=wish, since=now)
-    delay = config.upscale_delay_s if wish > n else config.downscale_delay_s
-    if now - state["since"] >= delay:
-        state.pop("since", None)
-        return wish, state
-    return n, state
+    target = ctx.config.target_ongoing_requests or 8
+    return decide(ctx.current_num_replicas, ctx.total_num_requests, waiting, kv, target), ctx.policy_state

@@ -24,6 +24,12 @@ class ReplicaCollector:
     def collect(self):
         replicas = self.client.per_replica()
         yield GaugeMetricFamily(PREFIX + "replicas", "engine replicas reporting", value=len(replicas))
+        info = GaugeMetricFamily(
+            PREFIX + "replica_info", "an engine replica: its Ray node and process id", labels=["replica", "node", "pid"]
+        )
+        for replica, report in sorted(self.client.replicas.items()):
+            info.add_metric([replica, str(report.get("node", "")), str(report.get("pid", ""))], 1)
+        yield info
         yield GaugeMetricFamily(
             PREFIX + "kv_cache_usage", "KV-cache blocks in use, as a fraction of all (all replicas)",
             value=kv_usage(self.client.stats()),

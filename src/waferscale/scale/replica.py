@@ -35,6 +35,7 @@ class EngineReplica:
     """Serve deployment class (wrapped with serve.deployment by scale/launch.py)."""
 
     def __init__(self, settings: EngineSettings, board):
+        import ray
         import torch
         from ray import serve
 
@@ -60,6 +61,7 @@ class EngineReplica:
         self.engine = AsyncEngine(engine)
         self.engine.start()
         self.id = serve.get_replica_context().replica_id.unique_id
+        self.node = ray.get_runtime_context().get_node_id()[:12]
         self.board = board
         self._closed = threading.Event()
         threading.Thread(target=self._post_stats, name="waferscale-stats", daemon=True).start()
@@ -123,6 +125,8 @@ class EngineReplica:
             "running": stats.running,
             "kv_usage": stats.kv_blocks_used / blocks if blocks else 0.0,
             "healthy": self.engine.healthy(),
+            "pid": os.getpid(),
+            "node": self.node,
             "stats": stats,
         }
 
