@@ -45,6 +45,7 @@ def serve_on_ray(args, api_keys: list[str]) -> None:
         import ray
         from ray import serve
         from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, HTTPOptions, RequestRouterConfig
+        from ray.serve.schema import LoggingConfig
     except ImportError:
         _exit("--replicas needs Ray Serve: pip install 'waferscale[ray]'")
 
@@ -70,6 +71,7 @@ def serve_on_ray(args, api_keys: list[str]) -> None:
             queue_timeout=args.queue_timeout,
             threads=threads,
         )
+        quiet = LoggingConfig(enable_access_log=False)  # a log line per call costs CPU; the plain server has none
         chooser = {"request_router_class": AffinityRouter} if args.routing == "affinity" else {}
         router = RequestRouterConfig(request_routing_stats_period_s=1, request_routing_stats_timeout_s=5, **chooser)
         scaling = {"num_replicas": low}
@@ -95,10 +97,11 @@ def serve_on_ray(args, api_keys: list[str]) -> None:
             graceful_shutdown_timeout_s=args.shutdown_grace,  # scale-down and shutdown let in-flight finish
             graceful_shutdown_wait_loop_s=1,
             health_check_period_s=2,
+            logging_config=quiet,
             **scaling,
         )
         front = serve.deployment(Front).options(
-            name="front", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096
+            name="front", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096, logging_config=quiet
         )
         board = StatsBoard.remote()
         front_settings = FrontSettings(
