@@ -189,6 +189,10 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; logs in {logs}", file=sys.stderr)
     rows: list[tuple[str, str, str]] = []
 
+    def add(*row: str) -> None:
+        print("  ".join(row), file=sys.stderr, flush=True)  # as soon as measured; the table comes at the end
+        rows.append(row)
+
     def serve(extra: list[str], label: str):
         return served([*WAFERSCALE, *extra], logs / f"{label}.log", label)
 
@@ -200,33 +204,33 @@ def main() -> None:
         ]:
             with serve(extra, label.split(",")[0]) as (url, _):
                 r = asyncio.run(hit_rate(url, args.requests_per_prompt))
-            rows.append(("prefix hit rate", label, f"{r['hit']:.1%} cached of {r['mean_prompt']:.0f}-token "
-                         f"prompts ({r['errors']} errors, {r['wall']:.0f} s)"))  # fmt: skip
+            add("prefix hit rate", label, f"{r['hit']:.1%} cached of {r['mean_prompt']:.0f}-token "
+                         f"prompts ({r['errors']} errors, {r['wall']:.0f} s)")  # fmt: skip
     if "overhead" in parts:
         figures = {}
         for label, extra in [("plain server", []), ("1 Ray replica x 2 threads", ["--replicas", "1",
                                                                                  "--replica-threads", "2"])]:
             with serve(extra, label.split()[0]) as (url, _):
                 figures[label] = asyncio.run(overhead_load(url))
-            rows.append(("overhead", label, f"{figures[label]['output_tok_s']:.1f} output tok/s "
-                         f"(errors {figures[label]['errors']})"))  # fmt: skip
+            add("overhead", label, f"{figures[label]['output_tok_s']:.1f} output tok/s "
+                         f"(errors {figures[label]['errors']})")  # fmt: skip
         a, b = (figures[k]["output_tok_s"] for k in figures)
-        rows.append(("overhead", "Ray vs plain", f"{(b - a) / a:+.1%}"))
+        add("overhead", "Ray vs plain", f"{(b - a) / a:+.1%}")
     if "failover" in parts:
         with serve(RAY2, "failover") as (url, _):
             r = asyncio.run(failover(url))
-        rows.append(("failover", "SIGKILL 1 of 2 replicas", f"{r['failures']} failed of {r['requests']} "
+        add("failover", "SIGKILL 1 of 2 replicas", f"{r['failures']} failed of {r['requests']} "
                      f"(killed replica had {r['in_flight']} in flight), hung {r['hung']}, all 503: {r['all_503']} "
-                     f"{r['kinds']}, after the kill ok: {r['after_ok']}"))  # fmt: skip
+                     f"{r['kinds']}, after the kill ok: {r['after_ok']}")  # fmt: skip
     if "autoscale" in parts:
         extra = ["--replicas", "auto", "--min-replicas", "1", "--max-replicas", "2", "--replica-threads", "1",
                  "--downscale-delay", "15"]  # fmt: skip
         with serve(extra, "autoscale") as (url, _):
             r = asyncio.run(autoscale(url))
         fmt = lambda t: "never" if t is None else f"{t:.0f} s"  # noqa: E731
-        rows.append(("autoscale", "1..2, load step c=16", f"max {r['max']} replicas (2 at {fmt(r['up_at'])}), "
+        add("autoscale", "1..2, load step c=16", f"max {r['max']} replicas (2 at {fmt(r['up_at'])}), "
                      f"load ended {r['load_end']:.0f} s, back to 1 at {fmt(r['back_to_1_at'])}, final "
-                     f"{r['final']}, failed requests {r['errors']}"))  # fmt: skip
+                     f"{r['final']}, failed requests {r['errors']}")  # fmt: skip
     width = max(len(r[1]) for r in rows)
     for part, label, value in rows:
         print(f"{part:<16} {label:<{width}}  {value}")
