@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -61,7 +62,7 @@ def serve_on_ray(args, api_keys: list[str]) -> None:
         low, high, threads = layout(args, cpus)
         serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
         settings = EngineSettings(
-            model=args.model,
+            model=os.path.abspath(args.model) if args.model else None,  # replicas do not run in our directory
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             kv_cache_memory=args.kv_cache_memory,
@@ -130,7 +131,8 @@ def serve_on_ray(args, api_keys: list[str]) -> None:
         _wait_for_signal()
         log.info("shutting down: in-flight requests have %g s to finish", args.shutdown_grace)
         serve.delete(APP_NAME)
-        serve.shutdown()
+        if not args.ray_address:  # our own local cluster; a cluster we joined keeps Serve for its other apps
+            serve.shutdown()
     finally:
         ray.shutdown()
 
