@@ -56,11 +56,11 @@ class Server:
         self._log.flush()
         return self.log_path.read_text()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 15) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
@@ -80,6 +80,18 @@ def server_f32():
     s = Server("--dtype", "float32")
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_server():
+    """float32 on engine replicas: a local Ray cluster, 2 replicas x 1 thread behind the front (the `ray` extra)."""
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]')")
+    s = Server(
+        "--replicas", "2", "--replica-threads", "1", "--dtype", "float32", "--served-model-name", ALIAS,
+        "--enable-fault-injection", "--shutdown-grace", "5",
+    )  # fmt: skip
+    yield s
+    s.stop(timeout=60)  # Serve drains and Ray stops its local cluster: give it the time rather than kill it
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""The official Cerebras SDK and the OpenAI SDK against a real server: the reference page's example and streaming."""
+"""The official Cerebras SDK and the OpenAI SDK against a real server: the reference page's example and streaming.
+Each test runs against the single process and against engine replicas on Ray (marker `ray`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,30 @@ import pytest
 from conftest import ALIAS, MODEL
 
 PROMPT = "It was a dark and stormy night"
+
+
+@pytest.fixture(params=["single", pytest.param("ray", marks=pytest.mark.ray)])
+def endpoint(request):
+    """The single-process server, or the front of engine replicas on a local Ray cluster."""
+    return request.getfixturevalue("server" if request.param == "single" else "ray_server")
+
+
+@pytest.fixture
+def cerebras(endpoint):
+    from cerebras.cloud.sdk import Cerebras
+
+    client = Cerebras(api_key="unused", base_url=endpoint.url, max_retries=0, _strict_response_validation=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def openai_client(endpoint):
+    from openai import OpenAI
+
+    client = OpenAI(api_key="unused", base_url=endpoint.url + "/v1", max_retries=0)
+    yield client
+    client.close()
 
 
 def test_reference_example_parses_with_strict_validation(cerebras):
@@ -63,13 +88,13 @@ def test_openai_sdk_completion_and_stream(openai_client):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
-def test_sdk_client_construction_warms_tcp(server):
+def test_sdk_client_construction_warms_tcp(endpoint):
     from cerebras.cloud.sdk import Cerebras
 
     seen = []
     hooks = {"response": [lambda r: seen.append((r.request.url.path, r.status_code))]}
     with httpx.Client(event_hooks=hooks) as http_client:
-        Cerebras(api_key="x", base_url=server.url, http_client=http_client, max_retries=0)
+        Cerebras(api_key="x", base_url=endpoint.url, http_client=http_client, max_retries=0)
     assert ("/v1/tcp_warming", 200) in seen
 
 

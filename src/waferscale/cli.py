@@ -56,6 +56,49 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GiB)") from None
 
 
+def _add_scale_args(p: argparse.ArgumentParser) -> None:
+    """Options of `serve --replicas` (engine replicas on Ray Serve; needs the `ray` extra)."""
+    g = p.add_argument_group("scaling out (Ray Serve; pip install 'waferscale[ray]')")
+    g.add_argument(
+        "--replicas",
+        metavar="N|auto",
+        help="run N engine replicas on Ray Serve behind one HTTP front, or 'auto' to scale between "
+        "--min-replicas and --max-replicas on queue depth and KV use (default: one process, no Ray)",
+    )
+    g.add_argument("--min-replicas", type=int, default=1, metavar="A", help="with --replicas auto (default 1)")
+    g.add_argument("--max-replicas", type=int, default=2, metavar="B", help="with --replicas auto (default 2)")
+    g.add_argument(
+        "--replica-threads",
+        type=int,
+        metavar="T",
+        help="CPU threads (and Ray CPUs) of each replica (default: the cluster's CPUs over the most replicas)",
+    )
+    g.add_argument(
+        "--routing",
+        choices=["affinity", "pow2"],
+        default="affinity",
+        help="affinity: a prompt's first blocks (or its prompt_cache_key) pick the replica, so its cached prefix "
+        "is reused; pow2: Serve's power-of-two-choices on queue length (default affinity)",
+    )
+    g.add_argument(
+        "--ray-address", metavar="ADDR", help="a running Ray cluster to join (default: start a local one)"
+    )
+    g.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=8,
+        metavar="N",
+        help="with --replicas auto: sequences in flight per replica beyond which another is started (default 8)",
+    )
+    g.add_argument(
+        "--downscale-delay",
+        type=float,
+        default=30,
+        metavar="SECONDS",
+        help="with --replicas auto: how long the load must fit one replica fewer before one is drained (30)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="waferscale", description="Serve the Cerebras Inference API locally."
@@ -136,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="testing aid: a request header X-Waferscale-Fault-After: N makes its generation fail after N tokens",
     )
+
+    _add_scale_args(serve)
 
     complete = sub.add_parser("complete", help="print one completion without a server")
     _add_model_args(complete)
@@ -241,11 +286,16 @@ def serve(args) -> None:
     from waferscale.models.chat_template import ChatTemplate
 
     log = logging.getLogger("waferscale")
+    keys = parse_keys(args.api_key, os.environ.get("WAFERSCALE_API_KEY"))
     try:
-        keyring = Keyring(parse_keys(args.api_key, os.environ.get("WAFERSCALE_API_KEY")), args.api_keys_file)
+        keyring = Keyring(keys, args.api_keys_file)  # read now: a bad key file stops the server before it loads
     except KeyFileError as exc:
         print(f"waferscale: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    if args.replicas is not None:  # engine replicas on Ray Serve; Ray is imported only here
+        from waferscale.scale.launch import serve_on_ray
+
+        return serve_on_ray(args, keys)
 
     def build():
         loaded = _load(args)

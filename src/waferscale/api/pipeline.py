@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 from waferscale.api.errors import APIError, engine_error
 from waferscale.engine import (
-    AsyncEngine,
     ErrorKind,
     GenerationEvent,
     RequestError,
     SamplingParams,
     TokenLogprob,
 )
+from waferscale.engine.client import EngineClient
 from waferscale.models.tokenizer import ModelTokenizer
 
 log = logging.getLogger("waferscale.api")
@@ -34,7 +34,7 @@ MAX_SEQUENCES = 128  # prompts x candidates in one request
 class ServingContext:
     """What the HTTP layer needs to know about the served model."""
 
-    engine: AsyncEngine
+    engine: EngineClient  # the local AsyncEngine, or replicas on Ray (scale/ray_client.py)
     tokenizer: ModelTokenizer
     served_names: list[str]
     max_model_len: int
@@ -47,6 +47,7 @@ class ServingContext:
     rejected: int = 0  # requests turned away with 429
     draining: bool = False  # shutting down: no new requests
     chat_template: object | None = None  # models.chat_template.ChatTemplate, built once at start
+    collectors: list = field(default_factory=list)  # more prometheus collectors for /metrics (per-replica series)
 
 
 def check_model(name: str, ctx: ServingContext) -> None:
@@ -242,6 +243,7 @@ class Run:
 
         self.ctx, self.prompts, self.params, self.per_prompt = ctx, prompts, params, per_prompt
         self.fail_after = fail_after
+        self.cache_key: str | None = None  # the request's prompt_cache_key: replicas on Ray route by it
         self.id = f"{id_prefix}-{uuid.uuid4()}"
         self.created = int(time.time())
         self.started = time.perf_counter()
@@ -261,7 +263,7 @@ class Run:
         request_id = f"{self.id}-{k}"
         if self.fail_after is not None:
             self.ctx.engine.inject_fault(request_id, self.fail_after)
-        return self.ctx.engine.generate(request_id, self.prompts[i], params)
+        return self.ctx.engine.generate(request_id, self.prompts[i], params, cache_key=self.cache_key)
 
     async def collect(self, is_disconnected) -> None:
         """Run every sequence to its end; a failed sequence fails the request with its error's status."""

@@ -90,6 +90,8 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
 
     registry = make_registry(ctx.engine.stats, lambda: {"rejected_requests": ctx.rejected})
     registry.register(UsageCollector(auth.keyring.usage))
+    for collector in ctx.collectors:
+        registry.register(collector)
 
     @app.get("/metrics", tags=["Server"], response_class=PlainTextResponse, dependencies=[Depends(auth)])
     async def metrics() -> str:  # (a Response returned as is; str keeps the documented schema)
@@ -168,6 +170,7 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
         check_capacity(len(plan.prompts) * plan.best_of, ctx)
         trace(request, "completion", req.user)
         run = CompletionRun(plan, ctx, fault_after(request))
+        run.run.cache_key = req.prompt_cache_key
         reserve(request, run.run)  # 429 over the key's limits, before anything is queued
         if req.stream:
             await run.run.start()  # admitted (or refused with a real status) before the 200
@@ -205,6 +208,7 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
         check_capacity(plan.n, ctx)
         trace(request, "chat", req.user)
         run = ChatRun(plan, ctx, fault_after(request))
+        run.run.cache_key = req.prompt_cache_key
         reserve(request, run.run)  # 429 over the key's limits, before anything is queued
         if req.stream:
             await run.run.start()  # admitted (or refused with a real status) before the 200

@@ -51,9 +51,10 @@ class AsyncEngine:
         return self._dead is None and self._thread.is_alive()
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_key: str | None = None
     ) -> AsyncIterator[GenerationEvent]:
-        """Events of one sequence until its finished event; closing the iterator early aborts the sequence."""
+        """Events of one sequence until its finished event; closing the iterator early aborts the sequence.
+        (`cache_key` only routes between replicas: one engine finds its cached prefixes by their tokens.)"""
         queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
         with self._cv:
             dead = self._dead
