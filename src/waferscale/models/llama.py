@@ -37,6 +37,13 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def release(module: nn.Module, name: str) -> None:
+    """Drop a weight that a packed copy replaces, keeping its shape and dtype (on the meta device, no storage), so
+    that memory holds one copy of the weights. A tied weight stays alive through the module it is tied to."""
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"), requires_grad=False))
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), with uninitialised storage: the checkpoint fills it.
 
@@ -100,6 +107,8 @@ class Linear(nn.Module):
         self.weight_packed = pack_bf16(self.weight.detach())
         if self.bias is not None:
             self.bias_f32 = self.bias.detach().float()
+        if max_rows is None:  # every bf16 batch reads the packed copy: it is the only one kept
+            release(self, "weight")
         return self.weight_packed.numel() * 2
 
     def make_f32_copy(self) -> int:
@@ -265,6 +274,8 @@ class MLP(nn.Module):
             return 0
         self.native, self.native_rows = kernels, max_rows
         self.gate_up_pairs = pack_bf16_pairs(weight.detach())
+        if max_rows is None:
+            release(self.gate_up_proj, "weight")
         return self.gate_up_pairs.numel() * 2
 
 
