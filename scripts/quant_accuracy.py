@@ -64,6 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="a GGUF file (default: the built-in model)")
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
     args = ap.parse_args()
     src = args.model or builtin_model_path()
     ref = load_model(src, dtype="float32", progress=False)
@@ -76,8 +77,9 @@ def main() -> None:
             variants[f"{method} (g32), {dtype}"] = load_model(
                 float_folder, dtype=dtype, quantization=method, progress=False
             )
-    sequences = [greedy_continuation(ref, ref.tokenizer.encode(p), args.tokens) for p in PROMPTS]
-    starts = [len(ref.tokenizer.encode(p)) for p in PROMPTS]
+    prompts = PROMPTS[: args.prompts]
+    sequences = [greedy_continuation(ref, ref.tokenizer.encode(p), args.tokens) for p in prompts]
+    starts = [len(ref.tokenizer.encode(p)) for p in prompts]
     text_ids = ref.tokenizer.encode(TEXT)
     ref_lp = [logprobs(ref, s) for s in sequences]
     ref_text = logprobs(ref, text_ids)

@@ -92,7 +92,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemm_bf16_add.restype = None
     lib.argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.argmax_logsumexp.restype = None
-    lib.qgemm.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, i64, i64]
+    lib.qgemm.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr]
+    lib.qgemm.argtypes += [ptr, ctypes.c_int, i64, i64]
     lib.qgemm.restype = None
     lib.qdequant.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, i64, i64, ptr]
     lib.qdequant.restype = None
@@ -383,14 +384,25 @@ class NativeKernels:
         self.lib.argmax_logsumexp(logits.data_ptr(), b, v, idx.data_ptr(), lse.data_ptr())
         return idx.tolist(), lse
 
-    def qgemm(self, x: torch.Tensor, w, y: torch.Tensor) -> None:
-        """y (float32 [M, n] view, unit column stride) = x W^T for x float32 [M, K] contiguous and W a
-        waferscale.models.quant.QuantWeight [n, K]."""
+    def qgemm(
+        self,
+        x: torch.Tensor,
+        w,
+        out: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> None:
+        """out = x W^T (+ bias) (+ residual) for W a waferscale.models.quant.QuantWeight [n, K]: x float32 or bf16
+        [M, K] contiguous; out a float32 or bf16 [M, n] view with unit column stride (columns of a wider output);
+        bias float32 [n]; residual bf16, laid out as out (bf16 out only: rounded as torch's ops would round)."""
         m, k = x.shape
-        if k != w.in_features or y.shape != (m, w.out_features) or y.stride(1) != 1:
-            raise ValueError(f"qgemm: x {tuple(x.shape)}, weight {w.shape}, out {tuple(y.shape)} do not match")
+        if k != w.in_features or out.shape != (m, w.out_features) or out.stride(1) != 1:
+            raise ValueError(f"qgemm: x {tuple(x.shape)}, weight {w.shape}, out {tuple(out.shape)} do not match")
+        if residual is not None and (out.dtype != torch.bfloat16 or residual.stride() != out.stride()):
+            raise ValueError("qgemm: a residual needs a bf16 output of the same layout")
         self.lib.qgemm(
             x.data_ptr(),
+            int(x.dtype == torch.bfloat16),
             m,
             k,
             w.qweight.data_ptr(),
@@ -399,8 +411,11 @@ class NativeKernels:
             w.group,
             w.scales.data_ptr(),
             None if w.mins is None else w.mins.data_ptr(),
-            y.data_ptr(),
-            y.stride(0),
+            None if bias is None else bias.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            out.data_ptr(),
+            int(out.dtype == torch.bfloat16),
+            out.stride(0),
             w.out_features,
         )
 

@@ -24,13 +24,35 @@
 #define QB 32 /* activation block: K must be a multiple of it */
 #define MT 4  /* input rows per pass over a weight row (the row stays in L1 between passes) */
 
-/* x rows [M, K] float32 -> int8 blocks xq [M, K], per-block scales xs [M, K / 32], and per-group float32 sums
- * xg [M, K / G] (for the mins). */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t G, int8_t *xq, float *xs, float *xg) {
+static inline float bf16_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* float32 -> bfloat16, rounding to nearest even (as c10::BFloat16 does); NaN stays NaN. */
+static inline uint16_t f32_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* x rows [M, K] (float32, or bf16 when x_bf16) -> int8 blocks xq [M, K], per-block scales xs [M, K / 32], and
+ * per-group float32 sums xg [M, K / G] (for the mins). */
+static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64_t G, int8_t *xq, float *xs,
+                          float *xg) {
     const int64_t nb = K / QB, ng = K / G;
 #pragma omp parallel for schedule(static) if (M > 4)
     for (int64_t m = 0; m < M; m++) {
-        const float *xm = x + m * K;
+        float row[K];
+        const float *xm = (const float *)x + m * K;
+        if (x_bf16) {
+            for (int64_t k = 0; k < K; k++) row[k] = bf16_f32(((const uint16_t *)x)[m * K + k]);
+            xm = row;
+        }
         for (int64_t b = 0; b < nb; b++) {
             float amax = 0.f;
             for (int i = 0; i < QB; i++) amax = fmaxf(amax, fabsf(xm[b * QB + i]));
@@ -144,16 +166,35 @@ static inline __attribute__((always_inline)) void weight_row(const uint8_t *w, c
     }
 }
 
-/* y[m, n] (row stride ldy) = sum_k x[m, k] * W[n, k] for W [N, K] in one of the layouts above: bits 8 (sgn: signed
- * values) or 4; scales and mins (or NULL) [N, K / G]. x: float32 [M, K]; K a multiple of 32 and of G. */
-void qgemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G, const float *scales,
-           const float *mins, float *y, int64_t ldy, int64_t N) {
-    const int64_t nb = K / QB, ng = K / G, row_bytes = bits == 8 ? K : K / 2;
+/* out[m, n] (row stride ldo) = y[m, n] (+ bias[n]), as float32, or rounded to bf16, or res[m, n] + bf16(...) in
+ * bf16 (the residual add, each step rounded as torch's bf16 ops round it) */
+static void epilogue(const float *y, int64_t M, int64_t N, const float *bias, const uint16_t *res, void *out,
+                     int out_bf16, int64_t ldo) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            float v = y[m * N + n] + (bias ? bias[n] : 0.f);
+            if (!out_bf16) {
+                ((float *)out)[m * ldo + n] = v;
+                continue;
+            }
+            if (res) v = bf16_f32(res[m * ldo + n]) + bf16_f32(f32_bf16(v));
+            ((uint16_t *)out)[m * ldo + n] = f32_bf16(v);
+        }
+}
+
+/* out[m, n] (row stride ldo) = sum_k x[m, k] * W[n, k] (+ bias[n]) for W [N, K] in one of the layouts above: bits
+ * 8 (sgn: signed values) or 4; scales and mins (or NULL) [N, K / G]. x: float32 or bf16 (x_bf16) [M, K]; K a
+ * multiple of 32 and of G. out: float32, or bf16 (out_bf16), plus the bf16 residual res [M, ldo] when given. */
+void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
+           const float *scales, const float *mins, const float *bias, const uint16_t *res, void *out, int out_bf16,
+           int64_t ldo, int64_t N) {
+    const int64_t nb = K / QB, ng = K / G, row_bytes = bits == 8 ? K : K / 2, ldy = N;
     const int gshift = G == 16 ? 4 : G == 32 ? 5 : G == 64 ? 6 : 7;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
     float *xg = (float *)malloc((size_t)(M * ng) * sizeof(float));
-    quantize_rows(x, M, K, G, xq, xs, xg);
+    float *y = (float *)malloc((size_t)(M * N) * sizeof(float));
+    quantize_rows(x, x_bf16, M, K, G, xq, xs, xg);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = w + n * row_bytes;
@@ -162,9 +203,11 @@ void qgemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int bits, int
         else if (sgn) weight_row(wn, sn, mn, gshift, ng, nb, xq, xs, xg, M, K, 8, 1, y + n, ldy);
         else weight_row(wn, sn, mn, gshift, ng, nb, xq, xs, xg, M, K, 8, 0, y + n, ldy);
     }
+    epilogue(y, M, N, bias, res, out, out_bf16, ldo);
     free(xq);
     free(xs);
     free(xg);
+    free(y);
 }
 
 /* out [N, K] float32 = scale * q + min for rows of W in either layout (prefill's tiles, embeddings' rows). */

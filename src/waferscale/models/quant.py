@@ -256,27 +256,46 @@ class QuantLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts)
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 [M, N] = x W^T (+ b) for x [M, K] of any float dtype."""
-        x = x.float().contiguous()
+    def project(
+        self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x W^T (+ b) (+ residual, bf16 only) for x [M, K] of any float dtype, as out_dtype (float32 or bf16)."""
+        if x.dtype not in (torch.float32, torch.bfloat16) or self.native is None:
+            x = x.float()
+        x = x.contiguous()
+        if self.native is None:
+            return self._project_torch(x, out_dtype, residual)
+        out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
+        residual = None if residual is None else residual.contiguous()
+        col = 0
+        for p in self.parts:
+            cols = slice(col, col + p.out_features)
+            bias = None if self.bias is None else self.bias[cols]
+            self.native.qgemm(x, p, out[:, cols], bias, None if residual is None else residual[:, cols])
+            col += p.out_features
+        return out
+
+    def _project_torch(self, x: torch.Tensor, out_dtype: torch.dtype, residual: torch.Tensor | None):
+        """Without the native kernels: a tile of weights dequantized at a time, float32 GEMMs."""
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         col = 0
         for p in self.parts:
-            out = y[:, col : col + p.out_features]
-            if self.native is not None:
-                self.native.qgemm(x, p, out)
-            else:
-                rows = max(1, _DEQUANT_TILE // p.in_features)
-                for r in range(0, p.out_features, rows):
-                    tile = p.dequantize(slice(r, r + rows))
-                    out[:, r : r + tile.shape[0]] = x @ tile.t()
+            rows = max(1, _DEQUANT_TILE // p.in_features)
+            for r in range(0, p.out_features, rows):
+                tile = p.dequantize(slice(r, r + rows))
+                y[:, col + r : col + r + tile.shape[0]] = x @ tile.t()
             col += p.out_features
         if self.bias is not None:
             y += self.bias
-        return y
+        y = y.to(out_dtype)
+        return y if residual is None else residual + y
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ b) in x's dtype, plus `residual` when given."""
+        """x W^T (+ b) in x's dtype, plus `residual` when given (added in the kernel's pass for bf16)."""
+        if x.dtype == torch.bfloat16:
+            fused = residual is not None and residual.dtype == torch.bfloat16
+            y = self.project(x, torch.bfloat16, residual if fused else None)
+            return y if residual is None or fused else residual + y
         y = self.project(x).to(x.dtype)
         return y if residual is None else residual + y
 
