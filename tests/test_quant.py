@@ -65,19 +65,24 @@ def test_every_gguf_format_decodes_exactly(kind):
 def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
     for rows in (1, 3, 4, 9):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
-        y = torch.empty(rows, w.out_features)
-        lib.qgemm(x, w, y)
         want = x @ dense.T
-        # activations are rounded to int8 per block of 32 (step max|x| / 127): each product is off by at most half
-        # a step times |w|, the bound below (plus float32 rounding)
-        step = x.abs().view(rows, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(rows, -1) / 127
-        bound = (step / 2) @ dense.abs().T
-        assert ((y - want).abs() <= bound * 1.001 + 1e-5).all(), rows
-        assert ((y - want).norm() / want.norm()) < 0.03
-        # each row's result does not depend on the others in the batch
-        one = torch.empty(1, w.out_features)
-        lib.qgemm(x[-1:].contiguous(), w, one)
-        assert torch.equal(one[0], y[-1])
+        y, one = torch.empty(rows, w.out_features), torch.empty(1, w.out_features)
+        for act_int8 in (False, True):
+            lib.qgemm(x, w, y, act_int8=act_int8)
+            # each row's result does not depend on the others in the batch
+            lib.qgemm(x[-1:].contiguous(), w, one, act_int8=act_int8)
+            assert torch.equal(one[0], y[-1])
+            if not act_int8:  # float32 activations: float32 rounding only
+                assert ((y - want).norm() / want.norm()) < 1e-5
+                continue
+            # activations rounded to int8 per block of 32 (step max|x| / 127): each product is off by at most half a
+            # step times |w|, the bound below (plus float32 rounding)
+            step = x.abs().view(rows, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(rows, -1) / 127
+            bound = (step / 2) @ dense.abs().T
+            assert ((y - want).abs() <= bound * 1.001 + 1e-5).all(), rows
+            assert ((y - want).norm() / want.norm()) < 0.03
+        lib.qgemm(x.bfloat16(), w, y)  # bf16 rows are read as they are
+        torch.testing.assert_close(y, x.bfloat16().float() @ dense.T, rtol=1e-4, atol=1e-4)
 
 
 @needs_native

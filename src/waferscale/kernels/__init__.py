@@ -93,7 +93,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.argmax_logsumexp.restype = None
     lib.qgemm.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr]
-    lib.qgemm.argtypes += [ptr, ctypes.c_int, i64, i64]
+    lib.qgemm.argtypes += [ptr, ctypes.c_int, i64, i64, ctypes.c_int]
     lib.qgemm.restype = None
     lib.qdequant.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, i64, i64, ptr]
     lib.qdequant.restype = None
@@ -391,10 +391,12 @@ class NativeKernels:
         out: torch.Tensor,
         bias: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        act_int8: bool = False,
     ) -> None:
         """out = x W^T (+ bias) (+ residual) for W a waferscale.models.quant.QuantWeight [n, K]: x float32 or bf16
         [M, K] contiguous; out a float32 or bf16 [M, n] view with unit column stride (columns of a wider output);
-        bias float32 [n]; residual bf16, laid out as out (bf16 out only: rounded as torch's ops would round)."""
+        bias float32 [n]; residual bf16, laid out as out (bf16 out only: rounded as torch's ops would round).
+        act_int8: round x to int8 per 32 and multiply in integers (else weights widened to float32, x as it is)."""
         m, k = x.shape
         if k != w.in_features or out.shape != (m, w.out_features) or out.stride(1) != 1:
             raise ValueError(f"qgemm: x {tuple(x.shape)}, weight {w.shape}, out {tuple(out.shape)} do not match")
@@ -417,6 +419,7 @@ class NativeKernels:
             int(out.dtype == torch.bfloat16),
             out.stride(0),
             w.out_features,
+            int(act_int8),
         )
 
     def qdequant(self, w, rows: slice = slice(None)) -> torch.Tensor:

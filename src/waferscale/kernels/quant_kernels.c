@@ -43,7 +43,7 @@ static inline uint16_t f32_bf16(float f) {
 /* x rows [M, K] (float32, or bf16 when x_bf16) -> int8 blocks xq [M, K], per-block scales xs [M, K / 32], and
  * per-group float32 sums xg [M, K / G] (for the mins). */
 static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64_t G, int8_t *xq, float *xs,
-                          float *xg) {
+                          float *xg, float *xf) {
     const int64_t nb = K / QB, ng = K / G;
 #pragma omp parallel for schedule(static) if (M > 4)
     for (int64_t m = 0; m < M; m++) {
@@ -53,7 +53,8 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64
             for (int64_t k = 0; k < K; k++) row[k] = bf16_f32(((const uint16_t *)x)[m * K + k]);
             xm = row;
         }
-        for (int64_t b = 0; b < nb; b++) {
+        if (xf) memcpy(xf + m * K, xm, (size_t)K * sizeof(float));
+        for (int64_t b = 0; b < (xq ? nb : 0); b++) {
             float amax = 0.f;
             for (int i = 0; i < QB; i++) amax = fmaxf(amax, fabsf(xm[b * QB + i]));
             const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
@@ -113,6 +114,45 @@ static inline __attribute__((always_inline)) void row_dots(const uint8_t *w, con
     }
     for (int m = 0; m < mt; m++) out[m] = hsum(acc[m]);
 }
+
+/* the same for float32 activations (no rounding of x): each block's weights widened to float32 in registers */
+static inline __attribute__((always_inline)) void row_dots_f(const uint8_t *w, const float *ws, int gshift,
+                                                             int64_t nb, const float *xf, int64_t K, const int bits,
+                                                             const int sgn, const int mt, float *out) {
+    __m256 acc[MT];
+    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 wf[4];
+        if (bits == 8) {
+            for (int j = 0; j < 4; j++) {
+                const __m128i q = _mm_loadl_epi64((const __m128i *)(w + b * QB + 8 * j));
+                wf[j] = _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q));
+            }
+        } else {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(w + b * QB / 2));
+            const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+            wf[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+            wf[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+            wf[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+            wf[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        }
+        for (int m = 0; m < mt; m++) {
+            const float *xb = xf + m * K + b * QB;
+            __m256 d0 = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xb));
+            d0 = _mm256_fmadd_ps(wf[1], _mm256_loadu_ps(xb + 8), d0);
+            __m256 d1 = _mm256_mul_ps(wf[2], _mm256_loadu_ps(xb + 16));
+            d1 = _mm256_fmadd_ps(wf[3], _mm256_loadu_ps(xb + 24), d1);
+            if (gshift == 4) {
+                acc[m] = _mm256_fmadd_ps(d0, _mm256_set1_ps(ws[2 * b]), acc[m]);
+                acc[m] = _mm256_fmadd_ps(d1, _mm256_set1_ps(ws[2 * b + 1]), acc[m]);
+            } else {
+                acc[m] = _mm256_fmadd_ps(_mm256_add_ps(d0, d1), _mm256_set1_ps(ws[(b * QB) >> gshift]), acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++) out[m] = hsum(acc[m]);
+}
 #else
 /* portable: the same integer dot products and the same scaling per block (summed in another order than AVX2) */
 static inline void row_dots(const uint8_t *w, const float *ws, int gshift, int64_t nb, const int8_t *xq,
@@ -135,18 +175,47 @@ static inline void row_dots(const uint8_t *w, const float *ws, int gshift, int64
         out[m] = acc;
     }
 }
+static inline void row_dots_f(const uint8_t *w, const float *ws, int gshift, int64_t nb, const float *xf, int64_t K,
+                              const int bits, const int sgn, const int mt, float *out) {
+    for (int m = 0; m < mt; m++) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; b++) {
+            float lo = 0.f, hi = 0.f;
+            for (int i = 0; i < QB; i++) {
+                int32_t q;
+                if (bits == 8) q = sgn ? (int32_t)(int8_t)w[b * QB + i] : (int32_t)w[b * QB + i];
+                else q = i < 16 ? (w[b * QB / 2 + i] & 0x0F) : (w[b * QB / 2 + i - 16] >> 4);
+                const float p = (float)q * xf[m * K + b * QB + i];
+                if (i < 16) lo += p; else hi += p;
+            }
+            if (gshift == 4) acc += lo * ws[2 * b] + hi * ws[2 * b + 1];
+            else acc += (lo + hi) * ws[(b * QB) >> gshift];
+        }
+        out[m] = acc;
+    }
+}
 #endif
 
 static inline __attribute__((always_inline)) void weight_row(const uint8_t *w, const float *ws, const float *wm,
                                                              int gshift, int64_t ng, int64_t nb, const int8_t *xq,
-                                                             const float *xs, const float *xg, int64_t M, int64_t K,
-                                                             const int bits, const int sgn, float *y, int64_t ldy) {
+                                                             const float *xs, const float *xg, const float *xf,
+                                                             int64_t M, int64_t K, const int bits, const int sgn,
+                                                             float *y, int64_t ldy) {
     float out[MT];
     for (int64_t m0 = 0; m0 < M; m0 += MT) {
         const int64_t mt = M - m0 < MT ? M - m0 : MT;
-        const int8_t *xm = xq + m0 * K;
-        const float *sm = xs + m0 * nb;
-        switch (mt) {
+        if (xf) {
+            const float *fm = xf + m0 * K;
+            switch (mt) {
+                case 4: row_dots_f(w, ws, gshift, nb, fm, K, bits, sgn, 4, out); break;
+                case 3: row_dots_f(w, ws, gshift, nb, fm, K, bits, sgn, 3, out); break;
+                case 2: row_dots_f(w, ws, gshift, nb, fm, K, bits, sgn, 2, out); break;
+                default: row_dots_f(w, ws, gshift, nb, fm, K, bits, sgn, 1, out); break;
+            }
+        }
+        const int8_t *xm = xf ? NULL : xq + m0 * K;
+        const float *sm = xf ? NULL : xs + m0 * nb;
+        if (!xf) switch (mt) {
             case 4: row_dots(w, ws, gshift, nb, xm, sm, K, bits, sgn, 4, out); break;
             case 3: row_dots(w, ws, gshift, nb, xm, sm, K, bits, sgn, 3, out); break;
             case 2: row_dots(w, ws, gshift, nb, xm, sm, K, bits, sgn, 2, out); break;
@@ -187,25 +256,27 @@ static void epilogue(const float *y, int64_t M, int64_t N, const float *bias, co
  * multiple of 32 and of G. out: float32, or bf16 (out_bf16), plus the bf16 residual res [M, ldo] when given. */
 void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
            const float *scales, const float *mins, const float *bias, const uint16_t *res, void *out, int out_bf16,
-           int64_t ldo, int64_t N) {
+           int64_t ldo, int64_t N, int act_int8) {
     const int64_t nb = K / QB, ng = K / G, row_bytes = bits == 8 ? K : K / 2, ldy = N;
     const int gshift = G == 16 ? 4 : G == 32 ? 5 : G == 64 ? 6 : 7;
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-    float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    int8_t *xq = act_int8 ? (int8_t *)malloc((size_t)(M * K)) : NULL;
+    float *xs = act_int8 ? (float *)malloc((size_t)(M * nb) * sizeof(float)) : NULL;
+    float *xf = act_int8 ? NULL : (float *)malloc((size_t)(M * K) * sizeof(float));
     float *xg = (float *)malloc((size_t)(M * ng) * sizeof(float));
     float *y = (float *)malloc((size_t)(M * N) * sizeof(float));
-    quantize_rows(x, x_bf16, M, K, G, xq, xs, xg);
+    quantize_rows(x, x_bf16, M, K, G, xq, xs, xg, xf);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = w + n * row_bytes;
         const float *sn = scales + n * ng, *mn = mins ? mins + n * ng : NULL;
-        if (bits == 4) weight_row(wn, sn, mn, gshift, ng, nb, xq, xs, xg, M, K, 4, 0, y + n, ldy);
-        else if (sgn) weight_row(wn, sn, mn, gshift, ng, nb, xq, xs, xg, M, K, 8, 1, y + n, ldy);
-        else weight_row(wn, sn, mn, gshift, ng, nb, xq, xs, xg, M, K, 8, 0, y + n, ldy);
+        if (bits == 4) weight_row(wn, sn, mn, gshift, ng, nb, xq, xs, xg, xf, M, K, 4, 0, y + n, ldy);
+        else if (sgn) weight_row(wn, sn, mn, gshift, ng, nb, xq, xs, xg, xf, M, K, 8, 1, y + n, ldy);
+        else weight_row(wn, sn, mn, gshift, ng, nb, xq, xs, xg, xf, M, K, 8, 0, y + n, ldy);
     }
     epilogue(y, M, N, bias, res, out, out_bf16, ldo);
     free(xq);
     free(xs);
+    free(xf);
     free(xg);
     free(y);
 }
