@@ -88,7 +88,7 @@ def main() -> None:
         return float(torch.exp(-lp[:-1].gather(1, torch.tensor(text_ids[1:])[:, None]).mean()))
 
     print(
-        f"model: {src.name}; {len(PROMPTS)} prompts x {args.tokens} greedy tokens of the float32 reference; "
+        f"model: {src.name}; {len(prompts)} prompts x {args.tokens} greedy tokens of the float32 reference; "
         f"perplexity over {len(text_ids)} tokens"
     )
     print(f"float32 reference perplexity: {ppl(ref_text):.3f}\n")
