@@ -156,7 +156,10 @@ def _load_folder(
     for shard in tqdm(shards, desc=f"loading {name}", unit="shard", disable=not progress, file=sys.stderr):
         tensors.update(load_file(str(shard)))
     model = LlamaForCausalLM(cfg, context, dtype)
-    model.load_hf_state(gather_quantized(tensors), dtype)
+    state = gather_quantized(tensors)
+    tensors.clear()  # the model's modules hold the only references: a weight they release is freed
+    model.load_hf_state(state, dtype)
+    del state
     model.eval()
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for m in quantized:
