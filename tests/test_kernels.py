@@ -185,7 +185,7 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
     SiLU-and-multiply, and o_proj and down_proj with their residual adds."""
     from waferscale.models.llama import HARDWARE_BF16_NATIVE_ROWS, cpu_has_native_bf16
 
-    loaded = load_model(None, dtype="bfloat16", progress=False)
+    loaded = load_model(None, dtype="bfloat16", quantization="none", progress=False)  # bf16 weights
     hardware = cpu_has_native_bf16()
     mlp = loaded.model.layers[0].mlp
     assert mlp.down_proj.weight_packed is not None and mlp.down_proj.weight_f32 is None
@@ -269,7 +269,7 @@ def test_fused_decode_attention_matches_the_pytorch_path():
     from waferscale.engine.kv_cache import KVPool, PagedBatch
 
     torch.manual_seed(4)
-    loaded = load_model(None, dtype="bfloat16", progress=False)
+    loaded = load_model(None, dtype="bfloat16", quantization="none", progress=False)  # bf16 weights
     cfg, model = loaded.config, loaded.model
     attn = model.layers[3].self_attn
     block_size, lengths = 16, torch.tensor([1, 16, 17, 90])
@@ -303,7 +303,7 @@ def test_whole_layer_decode_call_matches_the_modules_bit_for_bit():
     bit for bit, as the layer's modules calling the same kernels one by one."""
     from waferscale.engine.kv_cache import KVPool, PagedBatch
 
-    loaded = load_model(None, dtype="bfloat16", progress=False)
+    loaded = load_model(None, dtype="bfloat16", quantization="none", progress=False)  # bf16 weights
     cfg, model = loaded.config, loaded.model
     assert model.decode_layers is not None
     block_size, lengths = 16, torch.tensor([1, 16, 17, 90])

@@ -200,6 +200,7 @@ def test_serve_help_explains_each_option():
         "--host",
         "--port",
         "--dtype",
+        "--quantization",
         "--max-model-len",
         "--api-key",
     ):

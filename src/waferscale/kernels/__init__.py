@@ -24,6 +24,7 @@ import torch  # imported first: its libgomp.so.1 is then the OpenMP runtime our 
 
 log = logging.getLogger("waferscale.kernels")
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")  # int8/int4 weight-only GEMMs (models/quant.py)
 # -ffast-math at compile time only (vectorised expf, reassociated sums): linking with it would add crtfastmath.o,
 # whose constructor turns on flush-to-zero for the whole process
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -47,12 +48,15 @@ def _cpu_signature() -> str:
     return "\n".join(wanted)
 
 
-def _build(compiler: str) -> Path:
-    """Compile cpu_kernels.c into the cache (once per source, compiler and CPU); returns the library's path."""
+def _build(compiler: str, portable: bool = False) -> Path:
+    """Compile the kernels into the cache (once per source, compiler and CPU); returns the library's path.
+    portable: the plain-C paths only (-DWS_PORTABLE), as on a CPU without AVX2."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    flags = COMPILE_FLAGS + (["-DWS_PORTABLE"] if portable else [])
+    sources = [SOURCE, QUANT_SOURCE]
     key = hashlib.sha256(
         "\0".join(
-            [SOURCE.read_text(), version, _cpu_signature(), " ".join(COMPILE_FLAGS + LINK_FLAGS)]
+            [*(s.read_text() for s in sources), version, _cpu_signature(), " ".join(flags + LINK_FLAGS)]
         ).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
@@ -60,11 +64,11 @@ def _build(compiler: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, out = Path(tmp) / "cpu_kernels.o", Path(tmp) / target.name
-        for cmd in (
-            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [compiler, *LINK_FLAGS, str(obj), "-o", str(out), "-lm"],
-        ):
+        objs = [Path(tmp) / f"{s.stem}.o" for s in sources]
+        out = Path(tmp) / target.name
+        cmds = [[compiler, *flags, "-c", str(s), "-o", str(o)] for s, o in zip(sources, objs)]
+        cmds.append([compiler, *LINK_FLAGS, *map(str, objs), "-o", str(out), "-lm"])
+        for cmd in cmds:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
@@ -88,6 +92,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemm_bf16_add.restype = None
     lib.argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.argmax_logsumexp.restype = None
+    lib.qgemm.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr]
+    lib.qgemm.argtypes += [ptr, ctypes.c_int, i64, i64, ctypes.c_int]
+    lib.qgemm.restype = None
+    lib.qdequant.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, i64, i64, ptr]
+    lib.qdequant.restype = None
     lib.decode_layer_bf16.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
     lib.decode_layer_bf16.argtypes += [ctypes.c_int] + [ptr] * 3 + [i64] * 5 + [f32]
     lib.decode_layer_bf16.restype = None
@@ -95,12 +104,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def load() -> NativeKernels | None:
-    """The compiled kernels, or None where they are turned off or cannot be built (the reason is logged once)."""
+    """The compiled kernels, or None where they are turned off or cannot be built (the reason is logged once).
+    WAFERSCALE_NATIVE_KERNELS=0 turns them off; =portable builds the plain-C paths only (no AVX2), which is how
+    tests run the fallback on any machine."""
     with _lock:
         if "lib" in _loaded:
             return _loaded["lib"]  # type: ignore[return-value]
         kernels = None
-        if os.environ.get("WAFERSCALE_NATIVE_KERNELS", "1") == "0":
+        setting = os.environ.get("WAFERSCALE_NATIVE_KERNELS", "1")
+        if setting == "0":
             log.info("native kernels off (WAFERSCALE_NATIVE_KERNELS=0): using PyTorch ops")
         elif platform.system() != "Linux":
             log.info("native kernels are built on Linux only: using PyTorch ops")
@@ -110,7 +122,7 @@ def load() -> NativeKernels | None:
                 log.warning("no C compiler found (set CC): using PyTorch ops, slower for decoding")
             else:
                 try:
-                    path = _build(compiler)
+                    path = _build(compiler, portable=setting == "portable")
                     kernels = NativeKernels(_bind(ctypes.CDLL(str(path))))
                     log.info("native kernels: %s", path)
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -371,3 +383,59 @@ class NativeKernels:
         lse = torch.empty(b, 1, dtype=torch.float32)
         self.lib.argmax_logsumexp(logits.data_ptr(), b, v, idx.data_ptr(), lse.data_ptr())
         return idx.tolist(), lse
+
+    def qgemm(
+        self,
+        x: torch.Tensor,
+        w,
+        out: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        act_int8: bool = False,
+    ) -> None:
+        """out = x W^T (+ bias) (+ residual) for W a waferscale.models.quant.QuantWeight [n, K]: x float32 or bf16
+        [M, K] contiguous; out a float32 or bf16 [M, n] view with unit column stride (columns of a wider output);
+        bias float32 [n]; residual bf16, laid out as out (bf16 out only: rounded as torch's ops would round).
+        act_int8: round x to int8 per 32 and multiply in integers (else weights widened to float32, x as it is)."""
+        m, k = x.shape
+        if k != w.in_features or out.shape != (m, w.out_features) or out.stride(1) != 1:
+            raise ValueError(f"qgemm: x {tuple(x.shape)}, weight {w.shape}, out {tuple(out.shape)} do not match")
+        if residual is not None and (out.dtype != torch.bfloat16 or residual.stride() != out.stride()):
+            raise ValueError("qgemm: a residual needs a bf16 output of the same layout")
+        self.lib.qgemm(
+            x.data_ptr(),
+            int(x.dtype == torch.bfloat16),
+            m,
+            k,
+            w.qweight.data_ptr(),
+            w.bits,
+            int(w.signed),
+            w.group,
+            w.scales.data_ptr(),
+            None if w.mins is None else w.mins.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            out.data_ptr(),
+            int(out.dtype == torch.bfloat16),
+            out.stride(0),
+            w.out_features,
+            int(act_int8),
+        )
+
+    def qdequant(self, w, rows: slice = slice(None)) -> torch.Tensor:
+        """Rows of a QuantWeight as float32 [n, K] (scale * q + min, exactly)."""
+        q, s = w.qweight[rows], w.scales[rows]
+        mins = None if w.mins is None else w.mins[rows]
+        out = torch.empty(q.shape[0], w.in_features, dtype=torch.float32)
+        self.lib.qdequant(
+            q.data_ptr(),
+            w.bits,
+            int(w.signed),
+            w.group,
+            s.data_ptr(),
+            None if mins is None else mins.data_ptr(),
+            q.shape[0],
+            w.in_features,
+            out.data_ptr(),
+        )
+        return out

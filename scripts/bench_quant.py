@@ -1,0 +1,255 @@
+"""Quantized serving side by side with llama.cpp's llama-server, in one run: single stream and c=32 output tok/s,
+peak RSS, and each single-stream figure beside its memory-bandwidth bound.
+
+Usage: .venv/bin/python scripts/bench_quant.py [--model-1b DIR] [--model-8b DIR] [--servers a,b,...] [--quick]
+       [--skip-llamacpp] [--cache-dir DIR]
+
+--model-1b / --model-8b: Hugging Face folders of random Llama-shaped models (make them with the shared
+make_random_model.py --preset 1b|8b --tokenizer .../tokenizer.json OUT). The built-in model is always measured.
+llama-server and llama-quantize are built from the llama-cpp-python sdist into --cache-dir (as
+scripts/bench_vs_llamacpp.py does), and the 1B folder is converted to BF16, Q8_0 and Q4_K_M GGUFs there. Servers
+run one at a time; both use 2 threads and the same KV memory (512 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_vs_llamacpp as base  # noqa: E402  (the llama.cpp build, the runner and the bandwidth probe)
+
+from waferscale.models import builtin_model_path  # noqa: E402
+
+KV_BYTES = 512 << 20
+SCENARIOS = {
+    "single": base.Scenario("single", 1, 3, 32, 64),
+    "c32": base.Scenario("c32", 32, 64, 128, 64),
+}
+QUICK = {
+    "single": base.Scenario("single", 1, 1, 32, 16),
+    "c32": base.Scenario("c32", 32, 32, 32, 8),
+}
+# bytes a weight in each served layout (ours: float32 scale, and min where the format has one, per group)
+OURS_BPW = {"Q8_0": 1.125, "Q4_0": 0.75, "Q4_1": 0.75, "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25}
+METHOD_BPW = {"none": 2.0, "int8": 1.125, "int4": 0.75}
+
+
+def gguf_bytes(path: Path, ours: bool) -> int:
+    """Weight bytes read per token from a GGUF: as stored (llama-server), or in our layouts (waferscale)."""
+    import gguf
+
+    total = 0
+    for t in gguf.GGUFReader(str(path)).tensors:
+        kind = t.tensor_type.name
+        if ours and kind in OURS_BPW:
+            total += int(t.n_elements * OURS_BPW[kind])
+        elif ours and kind in ("F16", "BF16"):
+            total += int(t.n_elements) * 2
+        else:
+            total += int(t.n_bytes)
+    return total
+
+
+def gguf_bf16_bytes(path: Path) -> int:
+    """Weight bytes read per token from a GGUF's weights dequantized to bf16 (--quantization none)."""
+    import gguf
+
+    return sum(int(t.n_elements) * 2 for t in gguf.GGUFReader(str(path)).tensors)
+
+
+def hf_bytes(folder: Path, method: str) -> int:
+    """Weight bytes read per token from a Hugging Face folder served with --quantization method."""
+    c = json.loads((folder / "config.json").read_text())
+    h, i, n = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    d = c.get("head_dim") or h // c["num_attention_heads"]
+    per_layer = h * d * (c["num_attention_heads"] * 2 + c["num_key_value_heads"] * 2) + 3 * h * i
+    return int((n * per_layer + c["vocab_size"] * h) * METHOD_BPW[method])
+
+
+def llama_binary(cache: Path, target: str) -> Path:
+    """build/bin/<target> (llama-server, llama-quantize), built on first use."""
+    src = base.llama_cpp_dir(cache)
+    binary = src / "build" / "bin" / target
+    if not binary.is_file():
+        base.llama_server_binary(cache)  # configures the build
+        base.run_logged(
+            ["cmake", "--build", "build", "--target", target, f"-j{os.cpu_count() or 2}"],
+            cache / "build.log",
+            cwd=src,
+        )
+    return binary
+
+
+def ggufs_of(folder: Path, cache: Path) -> dict[str, Path]:
+    """BF16, Q8_0 and Q4_K_M GGUFs of a Hugging Face folder, made once under cache."""
+    out = {k: cache / f"{folder.name}.{k}.gguf" for k in ("BF16", "Q8_0", "Q4_K_M")}
+    llama_dir = base.llama_cpp_dir(cache)
+    if not out["BF16"].is_file():
+        env = {**os.environ, "PYTHONPATH": base.converter_path(cache, llama_dir), "NO_LOCAL_GGUF": ""}
+        tmp = out["BF16"].with_name(out["BF16"].name + ".tmp")
+        cmd = [sys.executable, str(llama_dir / "convert_hf_to_gguf.py"), str(folder), "--outtype", "bf16"]
+        base.run_logged(cmd + ["--outfile", str(tmp)], cache / "convert.log", env=env)
+        tmp.rename(out["BF16"])
+    quantize = llama_binary(cache, "llama-quantize")
+    for kind in ("Q8_0", "Q4_K_M"):
+        if not out[kind].is_file():
+            tmp = out[kind].with_name(out[kind].name + ".tmp")
+            base.run_logged([str(quantize), str(out["BF16"]), str(tmp), kind], cache / "quantize.log")
+            tmp.rename(out[kind])
+    return out
+
+
+def plan(args, cache: Path) -> list[tuple[str, base.Server, int]]:
+    """(model, server, weight bytes read per token) for every configuration to run."""
+    ws = str(Path(sys.executable).parent / "waferscale")
+    common = ["--served-model-name", base.MODEL_NAME, "--kv-cache-memory", str(KV_BYTES)]
+    llama_ctx = KV_BYTES // (32 * 1024)  # llama.cpp's f16 KV for the 1B shape: 32 KiB a token, same budget
+
+    def wsrv(key: str, label: str, model: Path | None, q: str, scenarios=("single", "c32")) -> base.Server:
+        argv = [ws, "serve", *common, "--quantization", q] + (["--model", str(model)] if model else [])
+        return base.Server(key, label, argv, base.waferscale_fields, scenarios)
+
+    def lsrv(key: str, label: str, model: Path, ctx: int) -> base.Server:
+        argv = [
+            str(llama_binary(cache, "llama-server")),
+            "-m",
+            str(model),
+            "-t",
+            "2",
+            "-tb",
+            "2",
+            "-np",
+            "32",
+        ]
+        argv += ["-cb", "-fa", "on", "-c", str(ctx), "-no-kvu", "--alias", base.MODEL_NAME]
+        return base.Server(key, label, argv, base.llama_fields, ("single", "c32"))
+
+    builtin = builtin_model_path()
+    out = [
+        (
+            "built-in",
+            wsrv("ws_builtin_q", "waferscale Q4_1 blocks (default)", None, "auto"),
+            gguf_bytes(builtin, True),
+        ),
+        ("built-in", wsrv("ws_builtin_bf16", "waferscale bf16", None, "none"), gguf_bf16_bytes(builtin)),
+    ]
+    if not args.skip_llamacpp:
+        llama = lsrv("llama_builtin_q41", "llama-server Q4_1", builtin, 32 * 1280)
+        out.append(("built-in", llama, gguf_bytes(builtin, False)))
+    if args.model_1b:
+        m = args.model_1b
+        out += [
+            ("1B", wsrv("ws_1b_int8", "waferscale int8", m, "int8"), hf_bytes(m, "int8")),
+            ("1B", wsrv("ws_1b_int4", "waferscale int4", m, "int4"), hf_bytes(m, "int4")),
+            ("1B", wsrv("ws_1b_bf16", "waferscale bf16", m, "none"), hf_bytes(m, "none")),
+        ]
+        if not args.skip_llamacpp:
+            g = ggufs_of(m, cache)
+            out += [
+                (
+                    "1B",
+                    wsrv("ws_1b_q8", "waferscale Q8_0 GGUF", g["Q8_0"], "auto"),
+                    gguf_bytes(g["Q8_0"], True),
+                ),
+                (
+                    "1B",
+                    wsrv("ws_1b_q4km", "waferscale Q4_K_M GGUF", g["Q4_K_M"], "auto"),
+                    gguf_bytes(g["Q4_K_M"], True),
+                ),
+                (
+                    "1B",
+                    lsrv("llama_1b_q8", "llama-server Q8_0", g["Q8_0"], llama_ctx),
+                    gguf_bytes(g["Q8_0"], False),
+                ),
+                (
+                    "1B",
+                    lsrv("llama_1b_q4km", "llama-server Q4_K_M", g["Q4_K_M"], llama_ctx),
+                    gguf_bytes(g["Q4_K_M"], False),
+                ),
+            ]
+    if args.model_8b:
+        out.append(
+            (
+                "8B",
+                wsrv("ws_8b_int4", "waferscale int4", args.model_8b, "int4", ("single",)),
+                hf_bytes(args.model_8b, "int4"),
+            )
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-1b", type=Path, help="a random 1B Hugging Face folder")
+    ap.add_argument("--model-8b", type=Path, help="a random 8B Hugging Face folder (int4 only)")
+    ap.add_argument("--servers", help="comma-separated keys of the configurations to run (default: all)")
+    ap.add_argument("--quick", action="store_true", help="tiny counts: a smoke test")
+    ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "waferscale-bench")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args()
+    cache = args.cache_dir.expanduser()
+    log_dir = cache / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs = plan(args, cache)
+    if args.servers:
+        keep = set(args.servers.split(","))
+        runs = [r for r in runs if r[1].key in keep]
+    scenarios = QUICK if args.quick else SCENARIOS
+    bw = base.memory_bandwidth()
+    print(f"memory read bandwidth {bw:.1f} GB/s; load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    rows = []
+    for model, server, nbytes in runs:
+        try:
+            r = base.run_server(server, scenarios, log_dir, 0)
+        except RuntimeError as exc:
+            print(f"  {server.label} failed: {str(exc).splitlines()[0]}", file=sys.stderr)
+            rows.append((model, server, nbytes, None))
+            continue
+        rows.append((model, server, nbytes, r))
+    print(
+        "| model | server | single tok/s | bound tok/s (bytes/token) | % of bound | c=32 tok/s | peak RSS MiB "
+        "| other cores |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    dump = []
+    for model, server, nbytes, r in rows:
+        if r is None:
+            print(f"| {model} | {server.label} | failed | | | | | |")
+            continue
+        f = base.figures(r, None)
+        rss = max(x for x in (r.get("rss_peak_c32"), r.get("rss_idle")) if x) if r.get("rss_idle") else None
+        bound = bw * 1e9 / nbytes if nbytes else None
+        pct = 100 * f["single_tok_s"] / bound if bound and f["single_tok_s"] else None
+        cells = [
+            model,
+            server.label,
+            base.fmt(f["single_tok_s"]),
+            f"{base.fmt(bound)} ({nbytes / 1e6:.0f} MB)" if bound else "—",
+            base.fmt(pct, 0),
+            base.fmt(f["c32_tok_s"]),
+            base.fmt(rss / 2**20 if rss else None, 0),
+            f"{r['other_cores']:.2f}",
+        ]
+        print("| " + " | ".join(cells) + " |")
+        dump.append(
+            {"model": model, "key": server.key, "argv": r["argv"], "figures": f, "rss": rss, "bound": bound}
+        )
+    print(
+        f"\nbandwidth: numpy max of 1 GiB over 2 threads, best of 5: {bw:.1f} GB/s; bound = bandwidth / weight "
+        "bytes read per token. Peak RSS: VmHWM during c=32 (VmRSS after load for single-only runs)."
+    )
+    print(
+        f"Command: {' '.join([Path(sys.executable).name, *sys.argv])}; load average at the end "
+        f"{os.getloadavg()[0]:.2f}. Logs: {log_dir}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"bandwidth_gb_s": bw, "runs": dump}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""Weight-only quantized weights: our two block layouts, GGUF's formats repacked into them losslessly, and the
+linear and embedding modules that serve from them (kernels/quant_kernels.c), with no float copy kept.
+
+A weight [N, K] is scale * q + min per group of `group` weights along K:
+  int8: q one signed byte (Q8_0, Q6_K, --quantization int8) or one unsigned byte 0..127 (Q5_K's 5-bit values);
+  int4: q one nibble 0..15, two a byte (Q4_0, Q4_1, Q4_K, --quantization int4).
+Scales and mins are float32 [N, K / group]; mins may be absent (symmetric). Every GGUF value decodes to exactly
+what gguf.quants.dequantize gives.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+GROUP = 32  # --quantization int8/int4 group size along K
+# without the native kernels, PyTorch dequantizes this many weights at a time (8 MiB of float32) for a GEMM. The
+# integer kernel serves every batch size: on the 2-core AVX2 machine, one thread, a [3072, 1024] weight, it takes
+# 7.4 ms at 32 rows against 30 ms for dequantize-then-GEMM, and 87 against 75-81 ms at 512 rows (prefill), so one
+# path serves all, and a row's result never depends on the batch it is in
+_DEQUANT_TILE = 1 << 21
+# activations multiply the widened weights in float32 by default: rounding them to int8 per 32 (llama.cpp's way,
+# integer dot products) moved the built-in model's next-token log-probabilities by 0.08 nats on average, four times
+# the accuracy bar for int8 weights (scripts/quant_accuracy.py); WAFERSCALE_QUANT_ACTIVATIONS=int8 turns it on
+ACT_INT8 = os.environ.get("WAFERSCALE_QUANT_ACTIVATIONS", "float32") == "int8"
+
+
+@dataclass
+class QuantWeight:
+    """A [N, K] weight in one of our two block layouts (see the module docstring)."""
+
+    qweight: torch.Tensor  # int8/uint8 [N, K] (bits 8) or uint8 [N, K / 2] (bits 4)
+    scales: torch.Tensor  # float32 [N, K / group]
+    mins: torch.Tensor | None  # float32 [N, K / group], or None
+    bits: int
+    group: int
+    signed: bool = True  # bits 8 only: q is int8 (else 0..127)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * self.group
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def layout(self) -> tuple[int, int, bool, bool]:
+        """What two weights must share to be stored as one tensor."""
+        return (self.bits, self.group, self.signed, self.mins is not None)
+
+    def nbytes(self) -> int:
+        extra = 0 if self.mins is None else self.mins.numel() * 4
+        return self.qweight.numel() + self.scales.numel() * 4 + extra
+
+    def values(self) -> torch.Tensor:
+        """q as int32 [N, K]."""
+        if self.bits == 8:
+            return self.qweight.view(torch.int8 if self.signed else torch.uint8).to(torch.int32)
+        q = self.qweight.view(torch.uint8).view(self.out_features, -1, 16).to(torch.int32)
+        return torch.cat([q & 15, q >> 4], dim=-1).view(self.out_features, -1)
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """float32 [n, K] of the chosen rows, scale * q + min (in PyTorch: the reference the kernels are tested on)."""
+        part = QuantWeight(self.qweight[rows], self.scales[rows], None, self.bits, self.group, self.signed)
+        q = part.values().float().view(part.out_features, -1, self.group)
+        w = q * part.scales.unsqueeze(-1)
+        if self.mins is not None:
+            w = w + self.mins[rows].unsqueeze(-1)
+        return w.view(part.out_features, -1)
+
+    def take_rows(self, index: torch.Tensor) -> QuantWeight:
+        """The rows at index (a row permutation, or a slice of rows)."""
+        mins = None if self.mins is None else self.mins[index].contiguous()
+        return QuantWeight(
+            self.qweight[index].contiguous(),
+            self.scales[index].contiguous(),
+            mins,
+            self.bits,
+            self.group,
+            self.signed,
+        )
+
+    def to_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """Tensors for a safetensors file: name.qweight, name.scales, name.mins, name.qlayout."""
+        out = {
+            f"{name}.qweight": self.qweight.contiguous(),
+            f"{name}.scales": self.scales.contiguous(),
+            f"{name}.qlayout": torch.tensor([self.bits, self.group, int(self.signed)], dtype=torch.int32),
+        }
+        if self.mins is not None:
+            out[f"{name}.mins"] = self.mins.contiguous()
+        return out
+
+    @staticmethod
+    def from_tensors(tensors: dict[str, torch.Tensor], name: str) -> QuantWeight:
+        """The weight that to_tensors stored under name (its tensors popped from the dict)."""
+        bits, group, signed = tensors.pop(f"{name}.qlayout").tolist()
+        return QuantWeight(
+            tensors.pop(f"{name}.qweight"),
+            tensors.pop(f"{name}.scales"),
+            tensors.pop(f"{name}.mins", None),
+            bits,
+            group,
+            bool(signed),
+        )
+
+
+def gather_quantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | QuantWeight]:
+    """Turn every stored QuantWeight's tensors (name.qweight, ...) into one QuantWeight entry under name."""
+    names = [k[: -len(".qlayout")] for k in tensors if k.endswith(".qlayout")]
+    out: dict = dict(tensors)
+    for name in names:
+        out[name] = QuantWeight.from_tensors(out, name)
+    return out
+
+
+def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Stack weights of one layout along N (q, k, v into qkv)."""
+    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+    first = parts[0]
+    return QuantWeight(
+        torch.cat([p.qweight for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        mins,
+        first.bits,
+        first.group,
+        first.signed,
+    )
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """uint8 values 0..15 [N, K] -> [N, K / 2]: per 32-block, byte j = q[j] | q[j + 16] << 4."""
+    n = q.shape[0]
+    blocks = q.reshape(n, -1, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, -1).astype(np.uint8)
+
+
+def _weight(
+    q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits: int, group: int, signed: bool = False
+) -> QuantWeight:
+    """A QuantWeight from integer values q [N, K] and float32 scales/mins [N, K / group]."""
+    n = q.shape[0]
+    if bits == 4:
+        qweight = torch.from_numpy(_pack_nibbles(q.astype(np.uint8)))
+    else:
+        qweight = torch.from_numpy(q.astype(np.int8 if signed else np.uint8))
+    return QuantWeight(
+        qweight,
+        torch.from_numpy(np.ascontiguousarray(scales.reshape(n, -1), dtype=np.float32)),
+        None
+        if mins is None
+        else torch.from_numpy(np.ascontiguousarray(mins.reshape(n, -1), dtype=np.float32)),
+        bits,
+        group,
+        signed,
+    )
+
+
+def quantize(weight: torch.Tensor, method: str, group: int = GROUP) -> QuantWeight:
+    """--quantization int8 (symmetric: scale = max|w| / 127) or int4 (scale and min from each group's range)."""
+    n, k = weight.shape
+    if k % group or k % 32:
+        raise ValueError(f"in_features {k} is not a multiple of the group size {group} (and of 32)")
+    w = weight.detach().float().view(n, -1, group)
+    if method == "int8":
+        scale = w.abs().amax(-1) / 127
+        q = torch.round(w / torch.where(scale == 0, 1, scale).unsqueeze(-1)).clamp(-127, 127)
+        return QuantWeight(q.to(torch.int8).view(n, k), scale.contiguous(), None, 8, group, True)
+    if method == "int4":
+        lo, hi = w.amin(-1), w.amax(-1)
+        scale = (hi - lo) / 15
+        q = torch.round((w - lo.unsqueeze(-1)) / torch.where(scale == 0, 1, scale).unsqueeze(-1)).clamp(0, 15)
+        packed = _pack_nibbles(q.to(torch.uint8).view(n, k).numpy())
+        return QuantWeight(torch.from_numpy(packed), scale.contiguous(), lo.contiguous(), 4, group, False)
+    raise ValueError(f"unknown quantization {method!r} (choose one of: {', '.join(QUANTIZATIONS)})")
+
+
+# ---------------------------------------------------------------- GGUF blocks -> our layouts
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 6-bit sub-block scales and mins [blocks, 8] (gguf.quants.Q4_K.get_scale_min)."""
+    from gguf.quants import Q4_K
+
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(scales))
+    return sc.astype(np.float32), m.astype(np.float32)
+
+
+def from_gguf(data: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | None:
+    """A GGUF tensor's raw blocks (uint8 [n, bytes a row]) as a QuantWeight, or None for other formats."""
+    b = data.reshape(-1, data.shape[-1] // (k // (256 if kind.endswith("_K") else 32)))
+    if kind == "Q8_0":  # d f16, 32 x int8
+        q = np.ascontiguousarray(b[:, 2:]).view(np.int8).reshape(n, k)
+        return _weight(q, _f16(b[:, :2]), None, 8, 32, signed=True)
+    if kind in ("Q4_0", "Q4_1"):  # d (, m) f16, 16 bytes of nibbles: byte j = q[j] | q[j + 16] << 4
+        d = _f16(b[:, :2])
+        mins = -8 * d if kind == "Q4_0" else _f16(b[:, 2:4])
+        qs = b[:, 2:] if kind == "Q4_0" else b[:, 4:]
+        qweight = torch.from_numpy(np.ascontiguousarray(qs).reshape(n, k // 2))
+        return QuantWeight(
+            qweight, torch.from_numpy(d.reshape(n, -1)), torch.from_numpy(mins.reshape(n, -1)), 4, 32, False
+        )
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin f16, 12 bytes of 6-bit scales/mins, (qh,) qs
+        d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+        sc, m = _k_scale_min(b[:, 4:16])
+        scales, mins = d * sc, -(dmin * m)
+        if kind == "Q4_K":
+            qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+            q = (qs & 15).reshape(n, k)
+            return _weight(q, scales, mins, 4, 32)
+        qh, qs = b[:, 16:48], b[:, 48:]
+        ql = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        hi = qh.reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1, 1)
+        q = ((ql & 15).reshape(-1, 8, 32) | ((hi & 1).reshape(-1, 8, 32) << 4)).reshape(n, k)
+        return _weight(q.astype(np.uint8), scales, mins, 8, 32)
+    if kind == "Q6_K":  # ql 128, qh 64, scales int8 16, d f16
+        ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
+        scales = d * np.ascontiguousarray(sc).view(np.int8).astype(np.float32)
+        lo = ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        lo = (lo & 15).reshape(-1, 8, 32)
+        hi = qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        hi = (hi & 3).reshape(-1, 8, 32)
+        q = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
+        return _weight(q.reshape(n, k), scales, None, 8, 16, signed=True)
+    return None
+
+
+# ---------------------------------------------------------------- modules
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) from quantized weights through the integer kernel (kernels/quant_kernels.c).
+
+    `parts` are stacked along the output (q, k, v may come in different GGUF formats); each part writes its own
+    columns of y. Where the native kernels are missing, PyTorch dequantizes a tile at a time and multiplies in
+    float32 (slower; activations not rounded to int8).
+    """
+
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None = None):
+        super().__init__()
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else bias.detach().float()
+        self.native = None  # waferscale.kernels.NativeKernels
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def project(
+        self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x W^T (+ b) (+ residual, bf16 only) for x [M, K] of any float dtype, as out_dtype (float32 or bf16)."""
+        if x.dtype not in (torch.float32, torch.bfloat16) or self.native is None:
+            x = x.float()
+        x = x.contiguous()
+        if self.native is None:
+            return self._project_torch(x, out_dtype, residual)
+        out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
+        residual = None if residual is None else residual.contiguous()
+        col = 0
+        for p in self.parts:
+            cols = slice(col, col + p.out_features)
+            bias = None if self.bias is None else self.bias[cols]
+            res = None if residual is None else residual[:, cols]
+            self.native.qgemm(x, p, out[:, cols], bias, res, act_int8=ACT_INT8)
+            col += p.out_features
+        return out
+
+    def _project_torch(self, x: torch.Tensor, out_dtype: torch.dtype, residual: torch.Tensor | None):
+        """Without the native kernels: a tile of weights dequantized at a time, float32 GEMMs."""
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        col = 0
+        for p in self.parts:
+            rows = max(1, _DEQUANT_TILE // p.in_features)
+            for r in range(0, p.out_features, rows):
+                tile = p.dequantize(slice(r, r + rows))
+                y[:, col + r : col + r + tile.shape[0]] = x @ tile.t()
+            col += p.out_features
+        if self.bias is not None:
+            y += self.bias
+        y = y.to(out_dtype)
+        return y if residual is None else residual + y
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b) in x's dtype, plus `residual` when given (added in the kernel's pass for bf16)."""
+        if x.dtype == torch.bfloat16:
+            fused = residual is not None and residual.dtype == torch.bfloat16
+            y = self.project(x, torch.bfloat16, residual if fused else None)
+            return y if residual is None or fused else residual + y
+        y = self.project(x).to(x.dtype)
+        return y if residual is None else residual + y
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings read from a quantized table: only the looked-up rows are dequantized."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype):
+        super().__init__()
+        self.qweight = weight
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.qweight
+        rows = w.take_rows(ids.reshape(-1))
+        return rows.dequantize().to(self.dtype).view(*ids.shape, w.in_features)

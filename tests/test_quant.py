@@ -1,0 +1,290 @@
+"""Quantized weights: every GGUF format decodes exactly, the integer kernels match a float reference (AVX2 and the
+portable path), GGUF Q8_0/Q4_K files load and answer from their blocks, and --quantization int8 keeps greedy
+tokens."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from waferscale import kernels
+from waferscale.engine import LLMEngine, SamplingParams
+from waferscale.models import builtin_model_path, load_model
+from waferscale.models.quant import QuantLinear, QuantWeight, from_gguf, quantize
+
+native = kernels.load()
+needs_native = pytest.mark.skipif(native is None, reason="native kernels could not be built here")
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+# bytes of each block and where its float16 fields lie (the rest: random bytes are valid quantized values)
+_LAYOUT = {
+    "Q8_0": (34, [0]),
+    "Q4_0": (18, [0]),
+    "Q4_1": (20, [0, 2]),
+    "Q4_K": (144, [0, 2]),
+    "Q5_K": (176, [0, 2]),
+    "Q6_K": (210, [208]),
+}
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF blocks of a format for an [n, k] weight, as uint8 [n, bytes a row]; float16 fields ~ 0.01."""
+    rng = np.random.default_rng(seed)
+    size, halves = _LAYOUT[kind]
+    per_row = k // (256 if kind.endswith("_K") else 32)
+    blocks = rng.integers(0, 256, (n * per_row, size), dtype=np.uint8)
+    for at in halves:
+        d = rng.uniform(0.002, 0.02, n * per_row).astype(np.float16)
+        blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, per_row * size)
+
+
+def reference(kind: str, blocks: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(dequantize(blocks, getattr(gguf.GGMLQuantizationType, kind)).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_every_gguf_format_decodes_exactly(kind):
+    n, k = 24, 512
+    blocks = random_blocks(kind, n, k)
+    w = from_gguf(blocks, kind, n, k)
+    want = reference(kind, blocks).reshape(n, k)
+    assert torch.equal(w.dequantize(), want)
+    if native is not None:
+        assert torch.equal(native.qdequant(w), want)
+        assert torch.equal(native.qdequant(w, slice(5, 9)), want[5:9])
+
+
+def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
+        want = x @ dense.T
+        y, one = torch.empty(rows, w.out_features), torch.empty(1, w.out_features)
+        for act_int8 in (False, True):
+            lib.qgemm(x, w, y, act_int8=act_int8)
+            # each row's result does not depend on the others in the batch
+            lib.qgemm(x[-1:].contiguous(), w, one, act_int8=act_int8)
+            assert torch.equal(one[0], y[-1])
+            if not act_int8:  # float32 activations: float32 rounding only
+                assert ((y - want).norm() / want.norm()) < 1e-5
+                continue
+            # activations rounded to int8 per block of 32 (step max|x| / 127): each product is off by at most half a
+            # step times |w|, the bound below (plus float32 rounding)
+            step = x.abs().view(rows, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(rows, -1) / 127
+            bound = (step / 2) @ dense.abs().T
+            assert ((y - want).abs() <= bound * 1.001 + 1e-5).all(), rows
+            assert ((y - want).norm() / want.norm()) < 0.03
+        lib.qgemm(x.bfloat16(), w, y)  # bf16 rows are read as they are
+        torch.testing.assert_close(y, x.bfloat16().float() @ dense.T, rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", FORMATS + ["int8", "int4", "int8-g64"])
+def test_integer_kernel_matches_float_reference(kind):
+    n, k = 40, 512
+    if kind.startswith("int"):
+        dense = torch.randn(n, k)
+        w = quantize(dense, kind[:4], group=64 if kind.endswith("g64") else 32)
+        dense = w.dequantize()
+    else:
+        blocks = random_blocks(kind, n, k, seed=1)
+        w = from_gguf(blocks, kind, n, k)
+        dense = reference(kind, blocks).reshape(n, k)
+    _check_matmul(w, dense, native)
+
+
+def test_quantizers_are_close_to_the_weights():
+    w = torch.randn(64, 256)
+    for method, tol in (("int8", 0.01), ("int4", 0.12)):
+        q = quantize(w, method)
+        assert ((q.dequantize() - w).norm() / w.norm()) < tol
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        quantize(torch.randn(4, 48), "int8")
+
+
+@needs_native
+def test_portable_path_gives_the_same_answers(tmp_path):
+    """WAFERSCALE_NATIVE_KERNELS=portable builds the plain-C paths (as on a CPU without AVX2) and they agree."""
+    script = f"""
+import sys, torch
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_quant import FORMATS, random_blocks, reference, _check_matmul
+from waferscale import kernels
+from waferscale.models.quant import from_gguf, quantize
+lib = kernels.load()
+assert lib is not None
+for kind in FORMATS:
+    blocks = random_blocks(kind, 16, 256, seed=2)
+    w = from_gguf(blocks, kind, 16, 256)
+    dense = reference(kind, blocks).reshape(16, 256)
+    assert torch.equal(lib.qdequant(w), dense)
+    _check_matmul(w, dense, lib)
+print("portable ok")
+"""
+    env = dict(os.environ, WAFERSCALE_NATIVE_KERNELS="portable", WAFERSCALE_CACHE_DIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "portable ok" in done.stdout
+    (so,) = (tmp_path / "kernels").glob("*.so")
+    if shutil.which("objdump"):  # the build has no AVX2 integer dot products in it
+        assert b"vpmaddubsw" not in subprocess.run(["objdump", "-d", str(so)], capture_output=True).stdout
+
+
+def _greedy(loaded, ids: list[int], n: int) -> list[int]:
+    engine = LLMEngine(loaded, kv_cache_bytes=16 << 20)
+    engine.add_request("t", ids, SamplingParams(max_tokens=n, temperature=0, min_tokens=n))
+    out: list[int] = []
+    while engine.has_work():
+        for ev in engine.step():
+            out += ev.token_ids
+    return out
+
+
+def write_tiny_gguf(path, kinds: dict[str, str]) -> None:
+    """A 2-layer llama GGUF (hidden 256) with the built-in model's tokenizer, its projections in the formats given
+    per tensor kind (attn_q, ffn_down, ...; default Q8_0), its embeddings in Q8_0."""
+    src = gguf.GGUFReader(str(builtin_model_path()))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, field in src.fields.items():
+        if key.startswith("GGUF.") or key.startswith("llama.") or key == "general.architecture":
+            continue
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub)
+    hidden, inter, heads, kv_heads, layers, vocab = 256, 512, 4, 2, 2, 49152
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_block_count(layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(vocab)
+
+    def quantized(name: str, kind: str, n: int, k: int, seed: int) -> None:
+        blocks = random_blocks(kind, n, k, seed)
+        writer.add_tensor(name, blocks, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+
+    seed = 10
+    quantized("token_embd.weight", "Q8_0", vocab, hidden, seed)
+    head = heads * hidden // heads
+    shapes = {
+        "attn_q": (head, hidden),
+        "attn_k": (kv_heads * hidden // heads, hidden),
+        "attn_v": (kv_heads * hidden // heads, hidden),
+        "attn_output": (hidden, head),
+        "ffn_gate": (inter, hidden),
+        "ffn_up": (inter, hidden),
+        "ffn_down": (hidden, inter),
+    }
+    for i in range(layers):
+        for kind, (n, k) in shapes.items():
+            seed += 1
+            quantized(f"blk.{i}.{kind}.weight", kinds.get(kind, "Q8_0"), n, k, seed)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "name,kinds",
+    [
+        ("Q8_0", {}),
+        (
+            "Q4_K",
+            {k: "Q4_K" for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
+            | {"attn_v": "Q6_K", "ffn_down": "Q5_K"},
+        ),
+    ],
+)
+def test_quantized_gguf_loads_and_answers_from_its_blocks(tmp_path, monkeypatch, name, kinds):
+    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / f"tiny.{name}.gguf"
+    write_tiny_gguf(path, kinds)
+    served = load_model(path, dtype="bfloat16", progress=False)
+    assert served.quantization == "gguf"
+    linears = [m for m in served.model.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the tied head
+    assert not any(isinstance(p, torch.nn.Parameter) and p.dim() == 2 for p in served.model.parameters())
+    if name == "Q4_K":  # q, k in Q4_K and v in Q6_K stay two parts, each in its own layout
+        qkv = served.model.layers[0].self_attn.qkv_proj
+        assert [(p.bits, p.group) for p in qkv.parts] == [(4, 32), (8, 16)]
+    exact = load_model(path, dtype="float32", progress=False)  # today's path: dequantized float32
+    assert exact.quantization == "none"
+    ids = served.tokenizer.encode("Hello there, how are you")
+    got = _greedy(served, ids, 6)
+    assert len(got) == 6
+    # the float32 forward from quantized blocks (float32 activations through the integer kernel) tracks the
+    # dequantized model's logits closely
+    f32q = load_model(path, dtype="float32", quantization="int8", progress=False)
+    assert f32q.quantization == "gguf"
+    from test_models import our_logits
+
+    a, b = our_logits(f32q, ids), our_logits(exact, ids)
+    assert ((a - b).norm() / b.norm()) < 0.03
+
+
+def test_int8_quantization_keeps_greedy_tokens(tmp_path, monkeypatch):
+    """A tiny random llama made decisive: embeddings of norm ~sqrt(hidden) dominate the residual stream, and the
+    untied head is the embeddings permuted, so each greedy step answers perm[last token] by a wide margin while
+    every projection (at the default init) still shapes the logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "tiny-hf"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
+        ref.model.embed_tokens.weight.copy_(embed)
+        perm = torch.randperm(cfg.vocab_size)
+        ref.lm_head.weight.copy_(embed[torch.argsort(perm)])
+    ref.save_pretrained(folder, safe_serialization=True)
+    src = builtin_model_path()
+    AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(folder)
+    exact = load_model(folder, dtype="float32", progress=False)
+    q8 = load_model(folder, dtype="bfloat16", quantization="int8", progress=False)
+    assert q8.quantization == "int8"
+    assert isinstance(q8.model.lm_head, QuantLinear)
+    ids = exact.tokenizer.encode("The three primary colours are")
+    want = _greedy(exact, ids, 8)
+    from test_models import our_logits
+
+    logits = our_logits(exact, ids + want[:-1])[len(ids) - 1 :]
+    top = logits.topk(2, dim=-1).values
+    assert (top[:, 0] - top[:, 1]).min() > 5  # decisive
+    assert len(set(want)) == 8
+    assert _greedy(q8, ids, 8) == want
+    # cached: a second load reads the quantized file
+    cached = list((tmp_path / "cache" / "quantized").glob("*/int8.safetensors"))
+    assert len(cached) == 1
+    assert (
+        load_model(folder, dtype="bfloat16", quantization="int8", progress=False).fingerprint
+        == q8.fingerprint
+    )
