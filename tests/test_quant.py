@@ -217,7 +217,7 @@ def test_quantized_gguf_loads_and_answers_from_its_blocks(tmp_path, monkeypatch,
     monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / f"tiny.{name}.gguf"
     write_tiny_gguf(path, kinds)
-    served = load_model(path, dtype="bfloat16", progress=False)
+    served = load_model(path, dtype="bfloat16", quantization="auto", progress=False)
     assert served.quantization == "gguf"
     linears = [m for m in served.model.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the tied head

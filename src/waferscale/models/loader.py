@@ -84,7 +84,7 @@ def load_model(
     dtype: str = "bfloat16",
     max_model_len: int | None = None,
     progress: bool = True,
-    quantization: str = "auto",
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load and return a ready model; every failure is a ModelLoadError with one clear line.
 

@@ -71,6 +71,7 @@ def serve_on_ray(args, api_keys: list[str]) -> None:
             enable_prefix_cache=not args.no_prefix_cache,
             queue_timeout=args.queue_timeout,
             threads=threads,
+            quantization=args.quantization,
         )
         quiet = LoggingConfig(enable_access_log=False)  # a log line per call costs CPU; the plain server has none
         chooser = {"request_router_class": AffinityRouter} if args.routing == "affinity" else {}

@@ -29,6 +29,7 @@ class EngineSettings:
     enable_prefix_cache: bool
     queue_timeout: float
     threads: int
+    quantization: str = "none"
 
 
 class EngineReplica:
@@ -46,7 +47,12 @@ class EngineReplica:
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")  # as cli.serve does, before the first GEMM
 
         def build():
-            loaded = load_model(settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len)
+            loaded = load_model(
+                settings.model,
+                dtype=settings.dtype,
+                max_model_len=settings.max_model_len,
+                quantization=settings.quantization,
+            )
             engine = LLMEngine(
                 loaded,
                 kv_cache_bytes=settings.kv_cache_memory,
