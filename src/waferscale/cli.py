@@ -366,6 +366,10 @@ def serve(args) -> None:
         host=args.host,
         port=args.port,
         log_level="warning",
+        # h11 and asyncio whatever else is installed (the ray extra brings httptools and uvloop, which uvicorn
+        # would pick by itself): httptools has no cap on a request's headers, h11 has this one
+        http="h11",
+        loop="asyncio",
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # request line plus headers; beyond it, 400
         timeout_graceful_shutdown=args.shutdown_grace + 5,  # room for the error chunks after the grace period
     )
