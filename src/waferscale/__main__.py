@@ -1,3 +1,4 @@
 from waferscale.cli import main
 
-main()
+if __name__ == "__main__":  # a spawned child process (the body parser) imports this module too; it must not serve
+    main()
