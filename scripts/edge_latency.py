@@ -8,11 +8,13 @@ The phases interleave (alone, loaded, alone, loaded, ...) so that a change in th
 falls on both; each side is the median of its phases' p99. A timing target lives here, not in the test suite
 (shared 2-core machines are too noisy for a timed test to mean anything).
 
-Measured on a quiet 2-core machine (load average ~1): p99 alone 47-69 ms; with the one-word tokenization (nice 10)
-116-261 ms; with the 30 MiB body 276-584 ms: while the server reads and parses that body (0.2-0.7 s) no stream gets a
-token. The event loop's Python work on the body (h11 parsing, then json.loads, 0.13 s of held GIL) makes the engine
-thread wait for the GIL after every torch op (up to the 5 ms switch interval each), so decode steps stall for the
-whole read. Before the edge work the 30 MiB prompt was tokenized whole under the GIL: minutes of stall.
+Measured on a quiet 2-core machine (load average ~1), before bodies over 1 MiB were parsed in a child process:
+p99 alone 47-69 ms; with the one-word tokenization (nice 10) 116-261 ms; with the 30 MiB body 276-584 ms.
+After (2026-12-01, `--rounds 3`): alone 69-104 ms, loaded 490-527 ms: still over the bar. Probing one load at a
+time from a separate process (curl), the stall does not follow the body's size: an over-context prompt of 0.1 MiB
+stalls the streams as long (0.4-0.5 s) as one of 3, 10 or 30 MiB, while a malformed body or a small valid request
+does not (~100 ms). So what remains is in refusing an over-context prompt (plan_request: prompt_overflows'
+prefix tokenizations, then the full one when no prefix settles it), not in reading or parsing the body.
 """
 
 from __future__ import annotations
