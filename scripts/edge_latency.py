@@ -10,11 +10,14 @@ falls on both; each side is the median of its phases' p99. A timing target lives
 
 Measured on a quiet 2-core machine (load average ~1), before bodies over 1 MiB were parsed in a child process:
 p99 alone 47-69 ms; with the one-word tokenization (nice 10) 116-261 ms; with the 30 MiB body 276-584 ms.
-After (2026-12-01, `--rounds 3`): alone 69-104 ms, loaded 490-527 ms: still over the bar. Probing one load at a
-time from a separate process (curl), the stall does not follow the body's size: an over-context prompt of 0.1 MiB
-stalls the streams as long (0.4-0.5 s) as one of 3, 10 or 30 MiB, while a malformed body or a small valid request
-does not (~100 ms). So what remains is in refusing an over-context prompt (plan_request: prompt_overflows'
-prefix tokenizations, then the full one when no prefix settles it), not in reading or parsing the body.
+After bodies over 1 MiB went to a child process (2026-12-01, `--rounds 3`): alone 69-104 ms, loaded 490-527 ms.
+Probing one load at a time from a separate process (curl) showed the stall did not follow the body's size: an
+over-context prompt of 0.1 MiB stalled the streams as long (0.4-0.5 s) as one of 3, 10 or 30 MiB, while a malformed
+body or a small valid request did not (~100 ms). The cause: tokenizing the prompt's prefixes (30-80 ms of CPU) at
+normal priority takes a core from the engine's OpenMP threads, and each parallel region of a step waits at its
+barrier for the thread that lost its core. With those tokenizations (and the parser process, nice 19) at idle
+priority: alone 64-81 ms, loaded 135-201 ms (2.3-2.5x, still over the bar), and the load requests' 400s take
+15-45 s while the streams keep both cores busy.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
+import os
 import threading
 from collections.abc import AsyncIterator
 
@@ -35,6 +36,15 @@ def decode_body(
         return parse_body(body, content_type, content_encoding, max_bytes)
     except BodyError as exc:
         raise _api_error(exc) from None
+
+
+def _lowest_priority() -> None:
+    """The parser process runs at nice 19: on a machine with few cores a parse at normal priority would take a
+    core from the engine's OpenMP threads, and every decode step (which waits for all of them) would stall."""
+    try:
+        os.nice(19)
+    except (AttributeError, OSError):
+        pass
 
 
 def _api_error(exc: BodyError) -> APIError:
@@ -76,7 +86,9 @@ class BodyDecoder:
             if self._pool is None:
                 # spawn, not fork: forking a process that runs the engine's threads (OpenMP, torch) is unsafe
                 context = multiprocessing.get_context("spawn")
-                self._pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context)
+                self._pool = concurrent.futures.ProcessPoolExecutor(
+                    max_workers=1, mp_context=context, initializer=_lowest_priority
+                )
             return self._pool
 
     def _reset(self) -> None:

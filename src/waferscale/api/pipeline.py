@@ -104,12 +104,21 @@ def resolve_logit_bias(bias: dict[str, float] | None, ctx: ServingContext) -> di
     return out
 
 
-LONG_TEXT = 100_000  # characters; longer texts are tokenized at low CPU priority
+LONG_TEXT = 100_000  # characters; longer texts (past any prompt that fits) are tokenized at idle priority
 
 
 def _lower_priority() -> None:
-    try:  # Linux: a thread is a task with its own nice value (raising it needs no privilege)
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    """SCHED_IDLE for this thread (Linux), else nice 19. A long tokenization at normal priority takes a core from
+    the engine's OpenMP threads for tens of milliseconds; every parallel region of a decode step then waits at its
+    barrier for the thread that lost its core, and the step stalls for hundreds of milliseconds. An idle-class
+    thread runs only when a core would otherwise idle, and gives it back the moment the engine wakes."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+        return
+    except (AttributeError, OSError):
+        pass
+    try:  # a thread is a task with its own nice value (raising it needs no privilege)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
         pass
 
@@ -119,14 +128,13 @@ _background = concurrent.futures.ThreadPoolExecutor(
 )
 
 
-def encode(tokenizer, text: str, *, add_special_tokens: bool):
+def encode(tokenizer, text: str, *, add_special_tokens: bool, idle: bool = False):
     """The `tokenizers` Encoding of `text`, computed without holding the GIL: `Tokenizer.encode` holds it for the
     whole call (a long prompt would stall the event loop and the engine thread, that is every stream's next token,
-    for as long as it takes); `encode_batch` releases it and gives the same ids and character offsets. A text
-    longer than any prompt that fits (one that no prefix could settle) is tokenized on a thread at nice 10, so
-    that it takes only CPU the decoding streams leave: on a machine with few cores a busy tokenizer thread would
-    otherwise slow every decode step."""
-    if len(text) <= LONG_TEXT:
+    for as long as it takes); `encode_batch` releases it and gives the same ids and character offsets. A text over
+    LONG_TEXT characters, or any text with `idle`, is tokenized on an idle-priority thread (_lower_priority), so that
+    it takes only CPU the decoding streams leave."""
+    if len(text) <= LONG_TEXT and not idle:
         return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
     job = _background.submit(tokenizer.encode_batch, [text], add_special_tokens=add_special_tokens)
     return job.result()[0]
@@ -154,7 +162,8 @@ def prompt_overflows(tok, text: str, limit: int, *, add_special_tokens: bool) ->
         if len(words) < 3:
             return None  # one word (or two) fills the tail: its tokens may depend on what follows
         boundary = tail_start + words[-2][1][0]
-        enc = encode(tok, prefix, add_special_tokens=add_special_tokens)
+        # idle priority: only a text far longer than the context gets here, and it is most likely refused
+        enc = encode(tok, prefix, add_special_tokens=add_special_tokens, idle=True)
         settled = sum(1 for start, end in enc.offsets if end <= boundary)
         if settled >= limit:
             return settled
