@@ -29,12 +29,12 @@ def test_a_large_body_is_parsed_in_a_child_process_into_the_same_object(decoder)
     raw = json.dumps(BIG).encode()
     assert asyncio.run(decoder.decode(raw, "application/json", None)) == BIG
     assert asyncio.run(decoder.decode(gzip.compress(msgpack.packb(BIG)), "application/msgpack", "gzip")) == BIG
-    assert decoder._pool is not None  # the child did it
+    assert decoder._child is not None and decoder._child.proc.poll() is None  # the child did it, and still runs
 
 
 def test_a_small_body_never_starts_the_child(decoder):
     assert asyncio.run(decoder.decode(b'{"model": "m"}', None, None)) == {"model": "m"}
-    assert decoder._pool is None
+    assert decoder._child is None
 
 
 def test_a_large_malformed_body_gets_the_same_client_error(decoder):
@@ -45,12 +45,22 @@ def test_a_large_malformed_body_gets_the_same_client_error(decoder):
     with pytest.raises(APIError) as info:
         asyncio.run(decoder.decode(json.dumps(BIG).encode(), "text/plain", None))
     assert info.value.status_code == 415 and info.value.param == "content-type"
+    assert asyncio.run(decoder.decode(json.dumps(BIG).encode(), "application/json", None)) == BIG  # still serving
 
 
 def test_a_killed_child_is_replaced_and_the_body_still_decoded(decoder):
     raw = json.dumps(BIG).encode()
-    asyncio.run(decoder.decode(raw, "application/json", None))
-    for pid in list(decoder._pool._processes):
-        os.kill(pid, signal.SIGKILL)
+    decoder.start()
+    first = decoder._child.proc
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
     assert asyncio.run(decoder.decode(raw, "application/json", None)) == BIG
     assert asyncio.run(decoder.decode(raw, "application/json", None)) == BIG  # and a new child after that
+    assert decoder._child.proc.pid != first.pid
+
+
+def test_closing_ends_the_child(decoder):
+    decoder.start()
+    proc = decoder._child.proc
+    decoder.close()
+    assert proc.poll() is not None

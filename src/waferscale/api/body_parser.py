@@ -1,10 +1,19 @@
 """Parsing a request body's bytes into a plain dict (gzip, then JSON or msgpack), with nothing imported beyond the
-standard library and msgpack: large bodies are parsed in a separate process (api.decoding.BodyDecoder), which
-then starts in a fraction of a second and holds only what it parses."""
+standard library and msgpack: large bodies are parsed in a separate process (api.decoding.BodyDecoder), which runs
+this file as a script, starts in a fraction of a second and holds only what it parses.
+
+The child's protocol, over a Unix socket: a request is a header (struct HEADER: content-type, content-encoding and
+body lengths, max_bytes) followed by those bytes; the answer is an 8-byte length and a pickle (protocol 5) of the
+parsed object or of the BodyError."""
 
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import socket
+import struct
+import sys
 import zlib
 
 import msgpack
@@ -71,3 +80,47 @@ def _gunzip(body: bytes, max_bytes: int) -> bytes:
     if not decomp.eof:
         raise BodyError(400, "request body is truncated gzip")
     return out
+
+
+HEADER = struct.Struct("<IIQQ")  # len(content_type), len(content_encoding), len(body), max_bytes
+ANSWER = struct.Struct("<Q")  # the pickle's length
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """n bytes from sock (the GIL is released while each recv waits); EOFError if the peer closes first."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("the body parser's peer closed the socket")
+        got += k
+    return buf
+
+
+def serve(sock: socket.socket) -> None:
+    """Answer requests on sock until the server closes it (or dies: its end closes with it)."""
+    while True:
+        try:
+            ct_len, ce_len, body_len, max_bytes = HEADER.unpack(recv_exact(sock, HEADER.size))
+            meta = recv_exact(sock, ct_len + ce_len).decode()
+            body = bytes(recv_exact(sock, body_len))
+        except EOFError:
+            return
+        try:
+            answer: tuple = (True, parse_body(body, meta[:ct_len] or None, meta[ct_len:] or None, max_bytes))
+        except BodyError as exc:  # sent as its fields: run as a script, its class is __main__.BodyError here
+            answer = (False, (exc.status_code, exc.message, exc.param, exc.code))
+        del body
+        data = pickle.dumps(answer, protocol=5)
+        del answer
+        sock.sendall(ANSWER.pack(len(data)))
+        sock.sendall(data)
+
+
+if __name__ == "__main__":  # python body_parser.py FD: the child BodyDecoder starts
+    try:
+        os.nice(19)  # a parse at normal priority would take a core from the engine's OpenMP threads
+    except OSError:
+        pass
+    serve(socket.socket(fileno=int(sys.argv[1])))

@@ -3,29 +3,34 @@ under a hard cap, whatever its framing; and the response type an `Accept` header
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
-import multiprocessing
-import os
+import pickle
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
 
 from waferscale.api.body_parser import (
+    ANSWER,
+    HEADER,
     JSON_TYPES,
     MSGPACK_TYPES,
     REQUEST_CONTENT_TYPES,
     BodyError,
     media_type,
     parse_body,
+    recv_exact,
 )
 from waferscale.api.errors import APIError
 
 log = logging.getLogger("waferscale.api")
 MAX_BODY_BYTES = 32 * 1024 * 1024
 INLINE_BYTES = 1 << 20  # bodies up to this size are parsed on a thread (json.loads of 1 MiB: ~2 ms)
+PARSER_SCRIPT = Path(__file__).with_name("body_parser.py")
 
 
 def decode_body(
@@ -38,64 +43,110 @@ def decode_body(
         raise _api_error(exc) from None
 
 
-def _lowest_priority() -> None:
-    """The parser process runs at nice 19: on a machine with few cores a parse at normal priority would take a
-    core from the engine's OpenMP threads, and every decode step (which waits for all of them) would stall."""
-    try:
-        os.nice(19)
-    except (AttributeError, OSError):
-        pass
-
-
 def _api_error(exc: BodyError) -> APIError:
     return APIError(exc.status_code, exc.message, param=exc.param, code=exc.code)
+
+
+class ParserProcess:
+    """A child process running body_parser.py as a script, over a Unix socket: only the standard library and
+    msgpack are imported there, so it starts in a fraction of a second. The server's side of a parse is two
+    sendall calls and recv_into calls (the GIL released while they wait) and one pickle.loads of the answer."""
+
+    def __init__(self):
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # subprocess, not multiprocessing: its pipes and feeder threads hold the GIL for tens of ms per 30 MiB
+            # (measured), and spawn re-imports the server's main module in the child
+            self.proc = subprocess.Popen(
+                [sys.executable, str(PARSER_SCRIPT), str(child.fileno())],
+                pass_fds=[child.fileno()],
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.sock = parent
+
+    def parse(self, body: bytes, content_type: str | None, content_encoding: str | None, max_bytes: int) -> dict:
+        """The parsed object; BodyError for a bad body; ChildGone when the child died (or was killed) meanwhile."""
+        ct, ce = (content_type or "").encode(), (content_encoding or "").encode()
+        try:
+            self.sock.sendall(HEADER.pack(len(ct), len(ce), len(body), max_bytes) + ct + ce)
+            self.sock.sendall(body)
+            (size,) = ANSWER.unpack(recv_exact(self.sock, ANSWER.size))
+            ok, value = pickle.loads(recv_exact(self.sock, size))
+        except (OSError, EOFError, pickle.UnpicklingError) as exc:
+            raise ChildGone(str(exc)) from None
+        if not ok:
+            raise BodyError(*value)
+        return value
+
+    def close(self) -> None:
+        self.sock.close()  # the child reads EOF and exits
+        try:
+            self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ChildGone(Exception):
+    """The parser process ended before it answered."""
 
 
 class BodyDecoder:
     """Decodes request bodies off the event loop. A thread would do for a small body, but parsing holds the GIL
     (json.loads of 30 MiB: ~70 ms at a stretch), and while it is held the engine thread cannot run between its
     torch calls, so every stream would miss a token; bodies over `inline_bytes` are parsed in a child process
-    (started at first need), and only the parsed object comes back."""
+    (ParserProcess, started by start() or at first need; one body at a time), and only the parsed object comes
+    back."""
 
     def __init__(self, inline_bytes: int = INLINE_BYTES, max_bytes: int = MAX_BODY_BYTES):
         self.inline_bytes, self.max_bytes = inline_bytes, max_bytes
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self._lock = threading.Lock()
+        self._child: ParserProcess | None = None
+        self._lock = threading.Lock()  # one parse at a time in the child
+
+    def start(self) -> None:
+        """Start the child now (the server does at startup: later, its start would cost the first large body)."""
+        with self._lock:
+            self._ensure()
 
     async def decode(self, body: bytes, content_type: str | None, content_encoding: str | None) -> dict:
         """`body` parsed (a thread for small ones, the child process for large ones); APIError for a bad body."""
         if len(body) <= self.inline_bytes:
             return await run_in_threadpool(decode_body, body, content_type, content_encoding, self.max_bytes)
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(
-                self._executor(), parse_body, body, content_type, content_encoding, self.max_bytes
-            )
+            return await run_in_threadpool(self._parse_in_child, body, content_type, content_encoding)
         except BodyError as exc:
             raise _api_error(exc) from None
-        except concurrent.futures.process.BrokenProcessPool:  # the child died (killed?): a new one next time
-            log.warning("the body parser process ended; starting a new one")
-            self._reset()
-            return await run_in_threadpool(decode_body, body, content_type, content_encoding, self.max_bytes)
+
+    def _parse_in_child(self, body: bytes, content_type: str | None, content_encoding: str | None) -> dict:
+        with self._lock:
+            try:
+                return self._ensure().parse(body, content_type, content_encoding, self.max_bytes)
+            except ChildGone as exc:  # killed? a new child next time; this body on this thread
+                log.warning("the body parser process ended (%s); starting a new one", exc)
+                self._stop()
+            except OSError as exc:  # could not start one: parse here
+                log.warning("cannot start the body parser process (%s); parsing on a thread", exc)
+        return parse_body(body, content_type, content_encoding, self.max_bytes)
+
+    def _ensure(self) -> ParserProcess:
+        if self._child is None:
+            self._child = ParserProcess()
+        return self._child
+
+    def _stop(self) -> None:
+        child, self._child = self._child, None
+        if child is not None:
+            child.close()
 
     def close(self) -> None:
-        self._reset()
-
-    def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         with self._lock:
-            if self._pool is None:
-                # spawn, not fork: forking a process that runs the engine's threads (OpenMP, torch) is unsafe
-                context = multiprocessing.get_context("spawn")
-                self._pool = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=1, mp_context=context, initializer=_lowest_priority
-                )
-            return self._pool
-
-    def _reset(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            self._stop()
 
 
 async def read_limited(

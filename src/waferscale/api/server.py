@@ -59,6 +59,10 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         ctx.engine.start()
+        try:
+            bodies.start()  # now: at the first large body its start would cost that request (and the streams)
+        except OSError as exc:
+            log.warning("cannot start the body parser process (%s); it is tried again at the first large body", exc)
         reloads = auth.keyring.file is not None and _on_sighup(lambda: _reload(auth.keyring))
         try:
             yield
