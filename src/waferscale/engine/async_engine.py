@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +24,9 @@ from waferscale.engine.params import SamplingParams
 
 log = logging.getLogger("waferscale.engine")
 TRIM_INTERVAL = 30.0  # seconds of uninterrupted work between heap trims (a trim costs milliseconds)
+
+
+SWITCH_INTERVAL = 0.0005  # seconds (Python's default: 0.005)
 
 
 class AsyncEngine:
@@ -38,6 +43,12 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="waferscale-engine", daemon=True)
 
     def start(self) -> None:
+        # The engine thread gives up the GIL for every native call (a layer, an op) and must take it back after
+        # each one; while another thread runs Python (the event loop reading a body, building SSE chunks) it
+        # waits up to the switch interval each time, so a decode step of a hundred calls could wait 5 ms x 100.
+        interval = float(os.environ.get("WAFERSCALE_SWITCH_INTERVAL", SWITCH_INTERVAL))
+        if interval > 0:
+            sys.setswitchinterval(interval)
         self._thread.start()
 
     def stop(self) -> None:
