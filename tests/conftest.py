@@ -107,8 +107,12 @@ def hf_tokenizer():
 
 @pytest.fixture(scope="session")
 def hf_reference():
-    """The reference model: transformers' float32 load of the same GGUF file."""
+    """The reference model: transformers' float32 load of the same GGUF file. It runs on one thread: the tests'
+    servers share the machine's cores, and an OpenMP team that loses a core to them stalls at every barrier (a
+    24-token reference took 22 s on two threads on a busy 2-core machine, 8 s on one)."""
     import torch
+
+    torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
     from waferscale.models import builtin_model_path
@@ -192,3 +196,9 @@ def sse_events(http: httpx.Client, path: str = "/v1/completions", **body) -> lis
                 data = line[len("data: ") :]
                 out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `ray` run last, together: the local Ray cluster they share lives until the session ends, and
+    even idle its actors take a third of a core, which would slow every test after the first Ray one."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)  # stable: file order otherwise

@@ -98,20 +98,23 @@ def oracle():
     return within
 
 
-def test_twenty_samples_of_every_root_are_valid(http, oracle):
+SAMPLES = 8  # a root (12 of them, at once); seeded, so the same samples every run
+
+
+def test_samples_of_every_root_are_valid(http, oracle):
     """At temperature 1.0 the 135M model sometimes writes documents longer than max_tokens: those must still be
     valid prefixes (checked by llguidance outside the engine); the complete ones must parse as their kind, and at
     least half of each root's samples must be complete."""
 
     def sample(root: str) -> tuple[str, dict]:
         max_tokens = 24 if root in ("nofcall", "root") else 64
-        body = {"prompt": PROMPTS[root], "grammar_root": root, "n": 20, "temperature": 1.0}
+        body = {"prompt": PROMPTS[root], "grammar_root": root, "n": SAMPLES, "temperature": 1.0}
         return root, complete(http, seed=7, max_tokens=max_tokens, **body)
 
     with ThreadPoolExecutor(len(GRAMMAR_ROOTS)) as pool:
         results = list(pool.map(sample, GRAMMAR_ROOTS))
     for root, out in results:
-        assert len(out["choices"]) == 20
+        assert len(out["choices"]) == SAMPLES
         complete_ones = 0
         for choice in out["choices"]:
             text, finish = choice["text"], choice["finish_reason"]
@@ -122,7 +125,7 @@ def test_twenty_samples_of_every_root_are_valid(http, oracle):
                 continue
             check(root, text, finish)
             complete_ones += 1
-        assert complete_ones >= 10, root
+        assert complete_ones >= SAMPLES // 2, root
 
 
 def test_sdk_grammar_root(cerebras):

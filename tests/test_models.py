@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -115,10 +116,21 @@ def test_one_code_path_matches_transformers_per_architecture(kind, tmp_path, hf_
     assert torch.allclose(our_logits(ours, ids), theirs, atol=1e-4, rtol=1e-4)
 
 
+def fresh_cache(tmp_path: Path) -> Path:
+    """An empty model cache that shares the suite's compiled kernels (compiling them is not what these tests test,
+    and takes a core for ~15 s)."""
+    import os
+
+    shared = Path(os.environ["WAFERSCALE_CACHE_DIR"]) / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(shared)
+    return tmp_path
+
+
 def test_converted_copy_is_cached_and_reused(tmp_path, monkeypatch):
     import waferscale.models.loader as loader
 
-    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(fresh_cache(tmp_path)))
     first = load_model(progress=False)
     assert list((tmp_path / "converted").glob("*/complete"))
 
@@ -153,7 +165,7 @@ def test_first_start_shows_progress_and_complete_prints_text(tmp_path):
         "The capital of France is",
         "--max-tokens",
         "4",
-        env={"WAFERSCALE_CACHE_DIR": str(tmp_path)},
+        env={"WAFERSCALE_CACHE_DIR": str(fresh_cache(tmp_path))},
     )
     assert r.returncode == 0, r.stderr
     assert "converting SmolLM2-135M-Instruct.Q4_1.gguf" in r.stderr and "272/272" in r.stderr
