@@ -45,3 +45,25 @@ def test_a_load_that_never_pauses_still_trims_the_heap(monkeypatch):
 
 def test_no_trim_between_steps_before_the_interval(monkeypatch):
     assert run_busy(monkeypatch, interval=60, seconds=0.3) == 0
+
+
+def test_starting_the_engine_freezes_what_is_loaded_and_shortens_the_switch_interval(monkeypatch):
+    """Full collections skip the objects that live as long as the process (they took ~200 ms, holding the GIL),
+    and the engine thread takes the GIL back within 0.5 ms after each native call."""
+    import gc
+    import sys
+
+    monkeypatch.setattr(sys, "setswitchinterval", lambda s: calls.append(s))
+    calls: list[float] = []
+    loaded = [[] for _ in range(1000)]  # noqa: F841  (tracked objects alive across the start)
+    gc.unfreeze()
+    work = EndlessWork()
+    work.release.set()
+    engine = AsyncEngine(work)
+    try:
+        engine.start()
+        assert gc.get_freeze_count() >= 1000
+        assert calls == [async_engine.SWITCH_INTERVAL]
+    finally:
+        engine.stop()
+        gc.unfreeze()
