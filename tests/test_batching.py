@@ -100,7 +100,7 @@ def test_a_pool_too_small_for_all_sequences_still_completes_every_request(tiny_p
 
     def one(prompt):
         out = client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=48, min_tokens=48, temperature=0
+            model=MODEL, prompt=prompt, max_tokens=32, min_tokens=32, temperature=0
         )
         return out.choices[0].text
 
@@ -208,3 +208,21 @@ def test_choices_of_one_prompt_share_its_blocks(engine):
     _, finished = run_to_end(engine)
     assert sorted(ev.num_cached_tokens for ev in finished.values()) == [0, 160, 160, 160]
     assert engine.blocks.num_used == 0
+
+
+
+def test_a_client_that_leaves_before_its_body_is_read_is_no_server_error(server):
+    """Closing the socket right after sending: no traceback in the log, and the server keeps serving."""
+    import json
+    import socket
+
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 3000, "stream": True}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    before = server.log().count("Traceback")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(head + body)
+    time.sleep(1)
+    assert server.log().count("Traceback") == before
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert complete(http, prompt="Hi", max_tokens=2)["choices"][0]["text"] is not None

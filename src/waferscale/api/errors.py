@@ -8,8 +8,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from waferscale.engine.errors import ErrorKind, RequestError
 
@@ -129,6 +130,12 @@ def install_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         build = flat_error_body if _is_flat(request) else error_body
         return JSONResponse(build(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect):
+        # the client closed its connection before its body was read: nothing to answer, nothing to log loudly
+        log.info("%s %s: the client went away before its request was read", request.method, request.url.path)
+        return Response(status_code=499)  # nginx's "client closed request"; never delivered
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

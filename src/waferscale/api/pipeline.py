@@ -326,7 +326,8 @@ class Run:
 
     async def events(self) -> AsyncIterator[tuple[int, GenerationEvent]]:
         """After `start`: every sequence's events as they come, merged, as (sequence index, event); ends when all
-        have finished. An exception in a sequence becomes its error event."""
+        have finished. An exception in a sequence becomes its error event. (A response that never starts this
+        generator calls `close` instead: see api.server.RunStream.)"""
         remaining = len(self.seqs)
         try:
             while remaining:
@@ -339,6 +340,12 @@ class Run:
             for t in self._tasks:
                 t.cancel()
             self._finished()
+
+    def close(self) -> None:
+        """End the run however its response ended: the sequences stop, `on_finish` runs (once)."""
+        for t in getattr(self, "_tasks", ()):
+            t.cancel()
+        self._finished()
 
     def usage(self, completion_details: dict | None = None) -> dict:
         """Prompt tokens once per prompt, cached tokens once per prompt (never above its length)."""

@@ -34,7 +34,7 @@ from waferscale.api.decoding import (
 from waferscale.api.errors import FLAT_PATHS, APIError, install_handlers
 from waferscale.api.keys import KeyFileError
 from waferscale.api.metrics import CONTENT_TYPE, UsageCollector, make_registry, render
-from waferscale.api.pipeline import ServingContext, check_capacity
+from waferscale.api.pipeline import Run, ServingContext, check_capacity
 from waferscale.api.quota import RateLimitHeaders, reserve
 from waferscale.api.schemas import (
     CompletionRequest,
@@ -178,9 +178,7 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
         reserve(request, run.run)  # 429 over the key's limits, before anything is queued
         if req.stream:
             await run.run.start()  # admitted (or refused with a real status) before the 200
-            return StreamingResponse(
-                run.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
+            return RunStream(run.stream(), run.run)
         return answer(request, await run.collect(request.is_disconnected))
 
     @app.post(
@@ -216,9 +214,7 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
         reserve(request, run.run)  # 429 over the key's limits, before anything is queued
         if req.stream:
             await run.run.start()  # admitted (or refused with a real status) before the 200
-            return StreamingResponse(
-                run.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
+            return RunStream(run.stream(), run.run)
         return answer(request, await run.collect(request.is_disconnected))
 
     def openapi() -> dict:
@@ -228,6 +224,22 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
 
     app.openapi = openapi
     return app
+
+
+class RunStream(StreamingResponse):
+    """A run's SSE answer that ends the run however the response ends. Starlette cancels the response of a client
+    already gone before the body's generator ever starts, and a generator that never started runs no cleanup: its
+    sequences would decode on to max_tokens for nobody, and its quota reservation never be settled."""
+
+    def __init__(self, content, run: Run):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
 
 
 def _on_sighup(callback) -> bool:
