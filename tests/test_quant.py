@@ -281,9 +281,9 @@ def test_int8_quantization_keeps_greedy_tokens(tmp_path, monkeypatch):
     assert (top[:, 0] - top[:, 1]).min() > 5  # decisive
     assert len(set(want)) == 8
     assert _greedy(q8, ids, 8) == want
-    # cached: a second load reads the quantized file
-    cached = list((tmp_path / "cache" / "quantized").glob("*/int8.safetensors"))
-    assert len(cached) == 1
+    # cached: a second load reads the quantized shards (one per source shard)
+    cached = list((tmp_path / "cache" / "quantized").glob("*/int8/complete"))
+    assert len(cached) == 1 and list(cached[0].parent.glob("*.safetensors"))
     assert (
         load_model(folder, dtype="bfloat16", quantization="int8", progress=False).fingerprint
         == q8.fingerprint
