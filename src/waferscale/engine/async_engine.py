@@ -11,8 +11,6 @@ import asyncio
 import ctypes
 import gc
 import logging
-import os
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -26,8 +24,6 @@ from waferscale.engine.params import SamplingParams
 log = logging.getLogger("waferscale.engine")
 TRIM_INTERVAL = 30.0  # seconds of uninterrupted work between heap trims (a trim costs milliseconds)
 
-
-SWITCH_INTERVAL = 0.0005  # seconds (Python's default: 0.005)
 
 
 class AsyncEngine:
@@ -44,12 +40,6 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="waferscale-engine", daemon=True)
 
     def start(self) -> None:
-        # The engine thread gives up the GIL for every native call (a layer, an op) and must take it back after
-        # each one; while another thread runs Python (the event loop reading a body, building SSE chunks) it
-        # waits up to the switch interval each time, so a decode step of a hundred calls could wait 5 ms x 100.
-        interval = float(os.environ.get("WAFERSCALE_SWITCH_INTERVAL", SWITCH_INTERVAL))
-        if interval > 0:
-            sys.setswitchinterval(interval)
         # Everything loaded so far (the model's modules, the libraries, the app: ~235k objects) lives as long as the
         # process: frozen, a full collection no longer walks it. Unfrozen, one took ~200 ms, holding the GIL on
         # whatever thread allocated past the threshold, and every stream missed that long.
