@@ -287,6 +287,30 @@ def test_quantized_gguf_loads_and_answers_from_its_blocks(tmp_path, monkeypatch,
     assert ((a - b).norm() / b.norm()) < 0.03
 
 
+@pytest.fixture(scope="module")
+def tiny_k_quants(tmp_path_factory):
+    """The tiny GGUF with q, k, o, gate, up in Q4_K, v in Q6_K (two parts of qkv), down in Q5_K, served in bf16."""
+    tmp = tmp_path_factory.mktemp("k_quants")
+    path = tmp / "tiny.gguf"
+    kinds = {k: "Q4_K" for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
+    write_tiny_gguf(path, kinds | {"attn_v": "Q6_K", "ffn_down": "Q5_K"})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WAFERSCALE_CACHE_DIR", str(tmp / "cache"))
+        return load_model(path, dtype="bfloat16", quantization="auto", progress=False)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [2, 7])  # the row-by-row kernel, and the panels
+def test_whole_layer_decode_call_matches_the_quantized_modules_bit_for_bit(tiny_k_quants, rows):
+    """Quantized projections run in the one-call decode layer too, bit for bit as the modules."""
+    from test_kernels import whole_layer_against_modules
+
+    loaded = tiny_k_quants
+    assert isinstance(loaded.model.decode_layers[0].qkv, list)
+    lengths = torch.tensor([1, 16, 17, 90, 3, 40, 8])[:rows]
+    whole_layer_against_modules(loaded.model, loaded.config, lengths)
+
+
 def test_int8_quantization_keeps_greedy_tokens(tmp_path, monkeypatch):
     """A tiny random llama made decisive: embeddings of norm ~sqrt(hidden) dominate the residual stream, and the
     untied head is the embeddings permuted, so each greedy step answers perm[last token] by a wide margin while
