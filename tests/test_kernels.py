@@ -297,21 +297,18 @@ def test_fused_decode_attention_matches_the_pytorch_path():
     torch.testing.assert_close(out_f.float(), out_t.float(), atol=2e-2, rtol=2**-7)
 
 
-@needs_native
-def test_whole_layer_decode_call_matches_the_modules_bit_for_bit():
-    """A decode-only batch runs each layer as one native call: the same hidden states and stored keys and values,
-    bit for bit, as the layer's modules calling the same kernels one by one."""
+def whole_layer_against_modules(model, cfg, lengths: torch.Tensor) -> None:
+    """Decode one token for each of len(lengths) sequences twice, each layer as one native call and then module by
+    module: the same hidden states and stored keys and values, bit for bit."""
     from waferscale.engine.kv_cache import KVPool, PagedBatch
 
-    loaded = load_model(None, dtype="bfloat16", quantization="none", progress=False)  # bf16 weights
-    cfg, model = loaded.config, loaded.model
     assert model.decode_layers is not None
-    block_size, lengths = 16, torch.tensor([1, 16, 17, 90])
+    block_size, rows = 16, len(lengths)
     width = int(-(-lengths.max() // block_size))
-    tables = torch.arange(1, 1 + len(lengths) * width).view(len(lengths), width)
+    tables = torch.arange(1, 1 + rows * width).view(rows, width)
     last = lengths - 1
-    slots = tables[torch.arange(len(lengths)), last // block_size] * block_size + last % block_size
-    ids = torch.tensor([42, 7, 1000, 31])
+    slots = tables[torch.arange(rows), last // block_size] * block_size + last % block_size
+    ids = torch.tensor([42, 7, 1000, 31, 5, 77, 300, 12, 9])[:rows]
     results = []
     for whole in (True, False):
         torch.manual_seed(5)  # the same earlier keys and values in both pools
@@ -320,7 +317,7 @@ def test_whole_layer_decode_call_matches_the_modules_bit_for_bit():
         pool.k.normal_()
         pool.v.normal_()
         batch = PagedBatch(
-            pool, slots, num_decode=4, decode_tables=tables, decode_lengths=lengths, native=native
+            pool, slots, num_decode=rows, decode_tables=tables, decode_lengths=lengths, native=native
         )
         saved = model.decode_layers
         if not whole:
@@ -332,6 +329,14 @@ def test_whole_layer_decode_call_matches_the_modules_bit_for_bit():
         results.append((hidden, pool.k[:, slots].clone(), pool.v[:, slots].clone()))
     (h_w, k_w, v_w), (h_m, k_m, v_m) = results
     assert torch.equal(h_w, h_m) and torch.equal(k_w, k_m) and torch.equal(v_w, v_m)
+
+
+@needs_native
+def test_whole_layer_decode_call_matches_the_modules_bit_for_bit():
+    """A decode-only batch runs each layer as one native call: the same hidden states and stored keys and values,
+    bit for bit, as the layer's modules calling the same kernels one by one."""
+    loaded = load_model(None, dtype="bfloat16", quantization="none", progress=False)  # bf16 weights
+    whole_layer_against_modules(loaded.model, loaded.config, torch.tensor([1, 16, 17, 90]))
 
 
 def test_loading_the_kernels_leaves_subnormal_floats_alone():

@@ -62,16 +62,27 @@ def test_every_gguf_format_decodes_exactly(kind):
         assert torch.equal(native.qdequant(w, slice(5, 9)), want[5:9])
 
 
+# batches of at least this many rows take the float32 path's dequantized panels (quant_kernels.c's PANEL_ROWS), fewer
+# the row-by-row kernel: each is batch-invariant, the two sum in different orders
+PANEL_ROWS = 6
+
+
 def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
-    for rows in (1, 3, 4, 9):
+    for rows in (1, 3, 6, 9):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
         want = x @ dense.T
         y, one = torch.empty(rows, w.out_features), torch.empty(1, w.out_features)
         for act_int8 in (False, True):
             lib.qgemm(x, w, y, act_int8=act_int8)
-            # each row's result does not depend on the others in the batch
+            # each row's result does not depend on the others in the batch (within one float32 path)
             lib.qgemm(x[-1:].contiguous(), w, one, act_int8=act_int8)
-            assert torch.equal(one[0], y[-1])
+            if act_int8 or rows < PANEL_ROWS:
+                assert torch.equal(one[0], y[-1])
+            else:
+                four = torch.empty(PANEL_ROWS, w.out_features)
+                lib.qgemm(x[-PANEL_ROWS:].contiguous(), w, four)
+                assert torch.equal(four[-1], y[-1])
+                assert ((one[0] - y[-1]).norm() / y[-1].norm()) < 1e-5  # float32 sums in another order
             if not act_int8:  # float32 activations: float32 rounding only
                 assert ((y - want).norm() / want.norm()) < 1e-5
                 continue
@@ -100,6 +111,41 @@ def test_integer_kernel_matches_float_reference(kind):
     _check_matmul(w, dense, native)
 
 
+# every layout the float32 kernels specialise on: int8 signed g32 (Q8_0), int8 signed g16 (Q6_K), int8 unsigned with
+# mins (Q5_K), int4 with mins (Q4_1), int4 symmetric-looking Q4_0 (mins -8 d)
+LAYOUTS = {"Q8_0": 608, "Q6_K": 768, "Q5_K": 768, "Q4_1": 608, "Q4_0": 96}
+
+
+def _check_layouts(lib, rows_list=(1, 3, 5, 8, 33)) -> None:
+    """qgemm on random blocks of each layout, bf16 rows in and bf16 out with a bias and the residual add, against the
+    float reference (QuantWeight.dequantize, a float64 matmul, torch's bf16 roundings). 40 output rows: a short last
+    panel; K past one 256-column chunk, and not a multiple of it (608)."""
+    n = 40
+    for kind, k in LAYOUTS.items():
+        w = from_gguf(random_blocks(kind, n, k, seed=3), kind, n, k)
+        dense = w.dequantize().double()
+        gen = torch.Generator().manual_seed(k)
+        bias = torch.randn(n, generator=gen)
+        for m in rows_list:
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            residual = torch.randn(m, n, generator=gen).bfloat16()
+            exact = x.double() @ dense.T + bias.double()
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+            lib.qgemm(x, w, out, bias=bias, residual=residual)
+            want = (residual.float() + exact.float().bfloat16().float()).bfloat16()
+            # float32 sums round differently from float64's, and may land on the other side of a bf16 rounding
+            atol = 1e-2 * exact.abs().max().item()
+            torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=atol)
+            plain = torch.empty(m, n)
+            lib.qgemm(x, w, plain, bias=bias)
+            assert ((plain.double() - exact).norm() / exact.norm()) < 1e-5, (kind, m)
+
+
+@needs_native
+def test_float32_kernels_match_the_reference_on_every_layout():
+    _check_layouts(native)
+
+
 def test_quantizers_are_close_to_the_weights():
     w = torch.randn(64, 256)
     for method, tol in (("int8", 0.01), ("int4", 0.12)):
@@ -115,7 +161,7 @@ def test_portable_path_gives_the_same_answers(tmp_path):
     script = f"""
 import sys, torch
 sys.path.insert(0, {os.path.dirname(__file__)!r})
-from test_quant import FORMATS, random_blocks, reference, _check_matmul
+from test_quant import FORMATS, random_blocks, reference, _check_matmul, _check_layouts
 from waferscale import kernels
 from waferscale.models.quant import from_gguf, quantize
 lib = kernels.load()
@@ -126,6 +172,7 @@ for kind in FORMATS:
     dense = reference(kind, blocks).reshape(16, 256)
     assert torch.equal(lib.qdequant(w), dense)
     _check_matmul(w, dense, lib)
+_check_layouts(lib, rows_list=(1, 8))
 print("portable ok")
 """
     env = dict(os.environ, WAFERSCALE_NATIVE_KERNELS="portable", WAFERSCALE_CACHE_DIR=str(tmp_path))
@@ -238,6 +285,30 @@ def test_quantized_gguf_loads_and_answers_from_its_blocks(tmp_path, monkeypatch,
 
     a, b = our_logits(f32q, ids), our_logits(exact, ids)
     assert ((a - b).norm() / b.norm()) < 0.03
+
+
+@pytest.fixture(scope="module")
+def tiny_k_quants(tmp_path_factory):
+    """The tiny GGUF with q, k, o, gate, up in Q4_K, v in Q6_K (two parts of qkv), down in Q5_K, served in bf16."""
+    tmp = tmp_path_factory.mktemp("k_quants")
+    path = tmp / "tiny.gguf"
+    kinds = {k: "Q4_K" for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
+    write_tiny_gguf(path, kinds | {"attn_v": "Q6_K", "ffn_down": "Q5_K"})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WAFERSCALE_CACHE_DIR", str(tmp / "cache"))
+        return load_model(path, dtype="bfloat16", quantization="auto", progress=False)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [2, 7])  # the row-by-row kernel, and the panels
+def test_whole_layer_decode_call_matches_the_quantized_modules_bit_for_bit(tiny_k_quants, rows):
+    """Quantized projections run in the one-call decode layer too, bit for bit as the modules."""
+    from test_kernels import whole_layer_against_modules
+
+    loaded = tiny_k_quants
+    assert isinstance(loaded.model.decode_layers[0].qkv, list)
+    lengths = torch.tensor([1, 16, 17, 90, 3, 40, 8])[:rows]
+    whole_layer_against_modules(loaded.model, loaded.config, lengths)
 
 
 def test_int8_quantization_keeps_greedy_tokens(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ is found, or `WAFERSCALE_NATIVE_KERNELS=0` is set, `load()` returns None and cal
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -97,9 +98,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qgemm.restype = None
     lib.qdequant.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, i64, i64, ptr]
     lib.qdequant.restype = None
-    lib.decode_layer_bf16.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
-    lib.decode_layer_bf16.argtypes += [ctypes.c_int] + [ptr] * 3 + [i64] * 5 + [f32]
-    lib.decode_layer_bf16.restype = None
+    lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
+    lib.decode_layer.argtypes += [ctypes.c_int] + [ptr] * 3 + [i64] * 5 + [f32]
+    lib.decode_layer.restype = None
     return lib
 
 
@@ -155,20 +156,68 @@ def pack_bf16_pairs(gate_up: torch.Tensor) -> torch.Tensor:
     return pack_bf16(paired)
 
 
+class _QPart(ctypes.Structure):
+    """cpu_kernels.c's qpart_t: one QuantWeight of a quantized projection."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("bits", "sgn", "group", "rows")
+    ]
+
+
+class _Proj(ctypes.Structure):
+    """cpu_kernels.c's proj_t: packed bf16 panels, or quantized parts stacked along the output."""
+
+    _fields_ = [
+        ("packed", ctypes.c_void_p),
+        ("parts", ctypes.POINTER(_QPart)),
+        ("nparts", ctypes.c_int64),
+        ("act_int8", ctypes.c_int64),
+    ]
+
+
+def _proj(weight, act_int8: bool) -> _Proj:
+    """The descriptor of a packed bf16 weight (a tensor) or of a QuantLinear's parts (a list of QuantWeight); it
+    keeps its parts' array alive, and the caller the tensors."""
+    if isinstance(weight, torch.Tensor):
+        return _Proj(weight.data_ptr(), None, 0, 0)
+    parts = (_QPart * len(weight))(
+        *[
+            _QPart(
+                p.qweight.data_ptr(),
+                p.scales.data_ptr(),
+                None if p.mins is None else p.mins.data_ptr(),
+                p.bits,
+                int(p.signed),
+                p.group,
+                p.out_features,
+            )
+            for p in weight
+        ]
+    )
+    return _Proj(None, parts, len(weight), int(act_int8))
+
+
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """One decoder layer's weights as decode_layer_bf16 reads them: bf16 norms, packed projections (gate/up in
-    pairs), the qkv bias in float32 (or None)."""
+    """One decoder layer's weights as decode_layer reads them: bf16 norms; each projection packed bf16 (gate/up in
+    pairs) or a QuantLinear's parts (a list of waferscale.models.quant.QuantWeight; gate/up: gate rows first); the
+    qkv bias in float32 (or None); act_int8: quantized projections round activations to int8 (as QuantLinear)."""
 
     norm1: torch.Tensor
-    qkv: torch.Tensor
+    qkv: torch.Tensor | list
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor | list
     norm2: torch.Tensor
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor | list
     inter: int
-    down: torch.Tensor
+    down: torch.Tensor | list
     eps: float
+    act_int8: bool = False
+
+    @functools.cached_property
+    def descriptors(self) -> tuple[_Proj, _Proj, _Proj, _Proj]:
+        """The four projections' proj_t, built once."""
+        return tuple(_proj(w, self.act_int8) for w in (self.qkv, self.o, self.gate_up, self.down))
 
 
 class NativeKernels:
@@ -341,22 +390,23 @@ class NativeKernels:
     ) -> None:
         """A whole decoder layer for decode rows, in place on h (bf16 [B, E], contiguous): the kernels its modules
         would call one by one (norm, qkv, decode_attention_bf16, o_proj + residual, norm, gate/up + SiLU, down +
-        residual), in one call. Other arguments as decode_attention_bf16."""
+        residual), in one call, for bf16 or quantized projections. Other arguments as decode_attention_bf16."""
         b, e = h.shape
         kvh, d = k_cache.shape[1], k_cache.shape[2]
         w = weights
-        self.lib.decode_layer_bf16(
+        qkv, o, gate_up, down = (ctypes.addressof(proj) for proj in w.descriptors)
+        self.lib.decode_layer(
             h.data_ptr(),
             b,
             e,
             w.norm1.data_ptr(),
-            w.qkv.data_ptr(),
+            qkv,
             None if w.qkv_bias is None else w.qkv_bias.data_ptr(),
-            w.o.data_ptr(),
+            o,
             w.norm2.data_ptr(),
-            w.gate_up.data_ptr(),
+            gate_up,
             w.inter,
-            w.down.data_ptr(),
+            down,
             w.eps,
             cos.data_ptr(),
             sin.data_ptr(),

@@ -6,7 +6,8 @@
  *       the bytes of a float32 copy, and PyTorch's own bf16 GEMM is emulated (slow) on CPUs without AVX512-BF16.
  *       gemm_bf16_silu_mul and gemm_bf16_add finish a Llama MLP's gate/up or a residual add in the same pass.
  *   rmsnorm_bf16, decode_attention_bf16: a layer's small ops for bf16 rows, each one call instead of many.
- *   decode_layer_bf16: a whole decoder layer for a batch of decodes, the kernels above in one call.
+ *   decode_layer: a whole decoder layer for a batch of decodes, the kernels above (or quantized projections
+ *       through quant_kernels.c's qgemm) in one call.
  *   argmax_logsumexp: the sampler's per-row argmax and log-sum-exp of the logits in one pass each.
  *
  * All accumulate in float32. Work is split over threads with OpenMP, which shares PyTorch's runtime (the
@@ -381,30 +382,71 @@ void decode_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
     free(o);
 }
 
+/* quant_kernels.c's GEMM over quantized weights */
+void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
+           const float *scales, const float *mins, const float *bias, const uint16_t *res, void *out, int out_bf16,
+           int64_t ldo, int64_t N, int act_int8);
+
+/* One of a layer's projections for decode_layer: bf16 weights packed as for the GEMMs above (packed; gate/up in
+ * pairs of panels), or else quantized parts stacked along N (quant_kernels.c's layouts: models/quant.py's
+ * QuantWeight), multiplied by qgemm as QuantLinear calls it (act_int8 as it passes). */
+typedef struct {
+    const uint8_t *w;
+    const float *scales, *mins;
+    int64_t bits, sgn, group, rows;
+} qpart_t;
+typedef struct {
+    const uint16_t *packed;
+    const qpart_t *parts;
+    int64_t nparts, act_int8;
+} proj_t;
+
+/* y [M, N] = x W^T (+ bias) (+ res, which may be y itself), bf16, or float32 (y_bf16 = 0, quantized parts only) */
+static void proj_run(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, int64_t N, const float *bias,
+                     const uint16_t *res, void *y, int y_bf16) {
+    if (p->packed) {
+        gemm_run(x, 1, p->packed, bias, y, y_bf16, res, res ? EPI_ADD : EPI_STORE, M, K, N);
+        return;
+    }
+    for (int64_t i = 0, col = 0; i < p->nparts; col += p->parts[i].rows, i++) {
+        const qpart_t *q = p->parts + i;
+        void *yc = y_bf16 ? (void *)((uint16_t *)y + col) : (void *)((float *)y + col);
+        qgemm(x, 1, M, K, q->w, (int)q->bits, (int)q->sgn, q->group, q->scales, q->mins, bias ? bias + col : NULL,
+              res ? res + col : NULL, yc, y_bf16, N, q->rows, (int)p->act_int8);
+    }
+}
+
 /* One Llama decoder layer for decode rows only (row b: one sequence's next token), in place on the bf16 hidden
  * states h [M, E]: h += o(attention(rope(qkv(norm1(h))))), then h += down(silu(gate(x)) * up(x)) with
  * x = norm2(h). The same kernels, in the same order, as the layer's modules call one by one (bit-identical), in one
- * call: for a few rows, Python's per-module overhead is a sixth of a step. Weights packed as for the GEMMs above
- * (gate/up in pairs); qkv_bias float32 or NULL; caches and the attention arguments as decode_attention_bf16. */
-void decode_layer_bf16(uint16_t *h, int64_t M, int64_t E, const uint16_t *norm1, const uint16_t *qkv_w,
-                       const float *qkv_bias, const uint16_t *o_w, const uint16_t *norm2, const uint16_t *gate_up_w,
-                       int64_t I, const uint16_t *down_w, float eps, const uint16_t *cos, const uint16_t *sin,
-                       void *k_cache, void *v_cache, int is_bf16, const int64_t *slots, const int64_t *tables,
-                       const int64_t *lengths, int64_t H, int64_t KVH, int64_t D, int64_t W, int64_t block_size,
-                       float scale) {
+ * call: for a few rows, Python's per-module overhead is a sixth of a step. Projections as proj_t above (a quantized
+ * gate/up: gate rows first, then silu * up as torch's bf16 ops round it); qkv_bias float32 or NULL; caches and the
+ * attention arguments as decode_attention_bf16. */
+void decode_layer(uint16_t *h, int64_t M, int64_t E, const uint16_t *norm1, const proj_t *qkv_w, const float *qkv_bias,
+                  const proj_t *o_w, const uint16_t *norm2, const proj_t *gate_up_w, int64_t I, const proj_t *down_w,
+                  float eps, const uint16_t *cos, const uint16_t *sin, void *k_cache, void *v_cache, int is_bf16,
+                  const int64_t *slots, const int64_t *tables, const int64_t *lengths, int64_t H, int64_t KVH,
+                  int64_t D, int64_t W, int64_t block_size, float scale) {
     const int64_t QKV = (H + 2 * KVH) * D;
     uint16_t *x = (uint16_t *)malloc((size_t)(M * E) * sizeof(uint16_t));
     uint16_t *qkv = (uint16_t *)malloc((size_t)(M * QKV) * sizeof(uint16_t));
     uint16_t *att = (uint16_t *)malloc((size_t)(M * H * D) * sizeof(uint16_t));
     uint16_t *act = (uint16_t *)malloc((size_t)(M * I) * sizeof(uint16_t));
     rmsnorm_bf16(h, norm1, x, M, E, eps);
-    gemm_run(x, 1, qkv_w, qkv_bias, qkv, 1, NULL, EPI_STORE, M, E, QKV);
+    proj_run(qkv_w, x, M, E, QKV, qkv_bias, NULL, qkv, 1);
     decode_attention_bf16(qkv, cos, sin, k_cache, v_cache, is_bf16, slots, tables, lengths, att, M, H, KVH, D, W,
                           block_size, scale);
-    gemm_run(att, 1, o_w, NULL, h, 1, h, EPI_ADD, M, H * D, E);  /* each tile reads its residual, then writes it */
+    proj_run(o_w, att, M, H * D, E, NULL, h, h, 1);  /* each output reads its residual, then writes it */
     rmsnorm_bf16(h, norm2, x, M, E, eps);
-    gemm_run(x, 1, gate_up_w, NULL, act, 1, NULL, EPI_SILU_MUL, M, E, 2 * I);
-    gemm_run(act, 1, down_w, NULL, h, 1, h, EPI_ADD, M, I, E);
+    if (gate_up_w->packed) {
+        gemm_run(x, 1, gate_up_w->packed, NULL, act, 1, NULL, EPI_SILU_MUL, M, E, 2 * I);
+    } else { /* float32 out: silu_mul_tile rounds gate and up to bf16 first, as the bf16 projection would */
+        float *gu = (float *)malloc((size_t)(M * 2 * I) * sizeof(float));
+        proj_run(gate_up_w, x, M, E, 2 * I, NULL, NULL, gu, 0);
+        for (int64_t m = 0; m < M; m++) silu_mul_tile(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
+        free(gu);
+    }
+    proj_run(down_w, act, M, I, E, NULL, h, h, 1);
     free(x);
     free(qkv);
     free(att);

@@ -5,11 +5,16 @@
  *         a float32 scale per group of G = 16, 32 or 64 weights along K, and optionally a float32 min per group;
  *   int4: two weights per byte (each 32-weight block: 16 bytes, byte j holding weight j in its low nibble and
  *         weight j + 16 in its high one, as GGUF's Q4_0/Q4_1 do), unsigned 0..15, a scale and a min per group.
- * A weight is scale * q + min. Each input row is quantized to int8 in blocks of 32 (scale = max|x| / 127, as
- * llama.cpp's Q8 activations), so a block's dot product is exact in 32-bit integers (maddubs + madd on AVX2, dpbusd
- * with VNNI), then scaled once in float32; the mins meet the float32 sum of x over their group. Every row's result
- * depends only on that row, never on the batch. Without AVX2 (or built with -DWS_PORTABLE) plain C computes the
- * same integers.
+ * A weight is scale * q + min. Two ways to multiply (qgemm's act_int8):
+ *   float32 activations (the default): x as it is (bf16 widened), two paths by batch size (see below): for a few
+ *       rows, weights widened to float32 q in registers, each block's sum scaled once; for PANEL_ROWS rows or more,
+ *       weights dequantized exactly into L1-sized float32 panels once per call and register-blocked micro-kernels
+ *       (as cpu_kernels.c's bf16 GEMM) over them. A row's result is the same in any batch on the same path.
+ *   int8 activations: each input row is quantized to int8 in blocks of 32 (scale = max|x| / 127, as llama.cpp's Q8
+ *       activations), so a block's dot product is exact in 32-bit integers (maddubs + madd on AVX2, dpbusd with
+ *       VNNI), then scaled once in float32; the mins meet the float32 sum of x over their group. Every row's result
+ *       depends only on that row, never on the batch.
+ * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
  */
 #include <math.h>
 #include <stdint.h>
@@ -61,7 +66,7 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64
             xs[m * nb + b] = d;
             for (int i = 0; i < QB; i++) xq[m * K + b * QB + i] = (int8_t)lrintf(xm[b * QB + i] * id);
         }
-        for (int64_t g = 0; g < ng; g++) {
+        for (int64_t g = 0; g < (xg ? ng : 0); g++) {
             float s = 0.f;
             for (int64_t i = 0; i < G; i++) s += xm[g * G + i];
             xg[m * ng + g] = s;
@@ -115,44 +120,6 @@ static inline __attribute__((always_inline)) void row_dots(const uint8_t *w, con
     for (int m = 0; m < mt; m++) out[m] = hsum(acc[m]);
 }
 
-/* the same for float32 activations (no rounding of x): each block's weights widened to float32 in registers */
-static inline __attribute__((always_inline)) void row_dots_f(const uint8_t *w, const float *ws, int gshift,
-                                                             int64_t nb, const float *xf, int64_t K, const int bits,
-                                                             const int sgn, const int mt, float *out) {
-    __m256 acc[MT];
-    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++) {
-        __m256 wf[4];
-        if (bits == 8) {
-            for (int j = 0; j < 4; j++) {
-                const __m128i q = _mm_loadl_epi64((const __m128i *)(w + b * QB + 8 * j));
-                wf[j] = _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q));
-            }
-        } else {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(w + b * QB / 2));
-            const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-            wf[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-            wf[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-            wf[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-            wf[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        }
-        for (int m = 0; m < mt; m++) {
-            const float *xb = xf + m * K + b * QB;
-            __m256 d0 = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xb));
-            d0 = _mm256_fmadd_ps(wf[1], _mm256_loadu_ps(xb + 8), d0);
-            __m256 d1 = _mm256_mul_ps(wf[2], _mm256_loadu_ps(xb + 16));
-            d1 = _mm256_fmadd_ps(wf[3], _mm256_loadu_ps(xb + 24), d1);
-            if (gshift == 4) {
-                acc[m] = _mm256_fmadd_ps(d0, _mm256_set1_ps(ws[2 * b]), acc[m]);
-                acc[m] = _mm256_fmadd_ps(d1, _mm256_set1_ps(ws[2 * b + 1]), acc[m]);
-            } else {
-                acc[m] = _mm256_fmadd_ps(_mm256_add_ps(d0, d1), _mm256_set1_ps(ws[(b * QB) >> gshift]), acc[m]);
-            }
-        }
-    }
-    for (int m = 0; m < mt; m++) out[m] = hsum(acc[m]);
-}
 #else
 /* portable: the same integer dot products and the same scaling per block (summed in another order than AVX2) */
 static inline void row_dots(const uint8_t *w, const float *ws, int gshift, int64_t nb, const int8_t *xq,
@@ -175,47 +142,22 @@ static inline void row_dots(const uint8_t *w, const float *ws, int gshift, int64
         out[m] = acc;
     }
 }
-static inline void row_dots_f(const uint8_t *w, const float *ws, int gshift, int64_t nb, const float *xf, int64_t K,
-                              const int bits, const int sgn, const int mt, float *out) {
-    for (int m = 0; m < mt; m++) {
-        float acc = 0.f;
-        for (int64_t b = 0; b < nb; b++) {
-            float lo = 0.f, hi = 0.f;
-            for (int i = 0; i < QB; i++) {
-                int32_t q;
-                if (bits == 8) q = sgn ? (int32_t)(int8_t)w[b * QB + i] : (int32_t)w[b * QB + i];
-                else q = i < 16 ? (w[b * QB / 2 + i] & 0x0F) : (w[b * QB / 2 + i - 16] >> 4);
-                const float p = (float)q * xf[m * K + b * QB + i];
-                if (i < 16) lo += p; else hi += p;
-            }
-            if (gshift == 4) acc += lo * ws[2 * b] + hi * ws[2 * b + 1];
-            else acc += (lo + hi) * ws[(b * QB) >> gshift];
-        }
-        out[m] = acc;
-    }
-}
 #endif
 
-static inline __attribute__((always_inline)) void weight_row(const uint8_t *w, const float *ws, const float *wm,
-                                                             int gshift, int64_t ng, int64_t nb, const int8_t *xq,
-                                                             const float *xs, const float *xg, const float *xf,
-                                                             int64_t M, int64_t K, const int bits, const int sgn,
-                                                             float *y, int64_t ldy) {
+
+/* act_int8: out_m = x_m . w for every input row against one weight row, MT input rows a pass (the weight row stays
+ * in L1 between passes); the mins meet the rows' float32 sums over their groups. y: row stride ldy. */
+static inline __attribute__((always_inline)) void weight_row_int8(const uint8_t *w, const float *ws, const float *wm,
+                                                                  int gshift, int64_t ng, int64_t nb,
+                                                                  const int8_t *xq, const float *xs, const float *xg,
+                                                                  int64_t M, int64_t K, const int bits, const int sgn,
+                                                                  float *y, int64_t ldy) {
     float out[MT];
     for (int64_t m0 = 0; m0 < M; m0 += MT) {
         const int64_t mt = M - m0 < MT ? M - m0 : MT;
-        if (xf) {
-            const float *fm = xf + m0 * K;
-            switch (mt) {
-                case 4: row_dots_f(w, ws, gshift, nb, fm, K, bits, sgn, 4, out); break;
-                case 3: row_dots_f(w, ws, gshift, nb, fm, K, bits, sgn, 3, out); break;
-                case 2: row_dots_f(w, ws, gshift, nb, fm, K, bits, sgn, 2, out); break;
-                default: row_dots_f(w, ws, gshift, nb, fm, K, bits, sgn, 1, out); break;
-            }
-        }
-        const int8_t *xm = xf ? NULL : xq + m0 * K;
-        const float *sm = xf ? NULL : xs + m0 * nb;
-        if (!xf) switch (mt) {
+        const int8_t *xm = xq + m0 * K;
+        const float *sm = xs + m0 * nb;
+        switch (mt) {
             case 4: row_dots(w, ws, gshift, nb, xm, sm, K, bits, sgn, 4, out); break;
             case 3: row_dots(w, ws, gshift, nb, xm, sm, K, bits, sgn, 3, out); break;
             case 2: row_dots(w, ws, gshift, nb, xm, sm, K, bits, sgn, 2, out); break;
@@ -235,55 +177,448 @@ static inline __attribute__((always_inline)) void weight_row(const uint8_t *w, c
     }
 }
 
-/* out[m, n] (row stride ldo) = y[m, n] (+ bias[n]), as float32, or rounded to bf16, or res[m, n] + bf16(...) in
- * bf16 (the residual add, each step rounded as torch's bf16 ops round it) */
-static void epilogue(const float *y, int64_t M, int64_t N, const float *bias, const uint16_t *res, void *out,
-                     int out_bf16, int64_t ldo) {
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = 0; n < N; n++) {
-            float v = y[m * N + n] + (bias ? bias[n] : 0.f);
-            if (!out_bf16) {
-                ((float *)out)[m * ldo + n] = v;
-                continue;
-            }
-            if (res) v = bf16_f32(res[m * ldo + n]) + bf16_f32(f32_bf16(v));
-            ((uint16_t *)out)[m * ldo + n] = f32_bf16(v);
+/* out[m, n] (row stride ldo) = v (+ bias[n]), as float32, or rounded to bf16, or res[m, n] + bf16(...) in bf16 (the
+ * residual add, each step rounded as torch's bf16 ops round it) */
+static inline void put(float v, int64_t m, int64_t n, const float *bias, const uint16_t *res, void *out, int out_bf16,
+                       int64_t ldo) {
+    v += bias ? bias[n] : 0.f;
+    if (!out_bf16) {
+        ((float *)out)[m * ldo + n] = v;
+        return;
+    }
+    if (res) v = bf16_f32(res[m * ldo + n]) + bf16_f32(f32_bf16(v));
+    ((uint16_t *)out)[m * ldo + n] = f32_bf16(v);
+}
+
+/* ---------------------------------------------------------------- float32 activations (the default)
+ *
+ * The weights are dequantized exactly (scale * q rounded, then + min: what qdequant and gguf.quants.dequantize give)
+ * into panels like the bf16 GEMM's (cpu_kernels.c): 16 weight rows as [kc][16] float32, kc columns at a time so that
+ * a task's panels stay in L1, and register-blocked micro-kernels run over them for every input row: per k, 16
+ * weights times a broadcast x[m, k] into MB x P x 16 sums. So a weight is dequantized once per call, whatever the
+ * batch. Each output is one chain of FMAs over k in order (between chunks its sum waits in a buffer: stored and
+ * reloaded, the same chain), so a row's result never depends on the other rows, nor on the micro-kernel that ran it.
+ */
+#define KC 256 /* columns of a panel dequantized at a time: [KC][16] float32, 16 KiB, stays in L1 */
+
+/* call CALL(bits, sgn, mins) with compile-time constants for one of the layouts */
+#define LAYOUT_DISPATCH(bits, sgn, mins, CALL)                                                                  \
+    do {                                                                                                        \
+        if ((bits) == 4) { if (mins) CALL(4, 0, 1); else CALL(4, 0, 0); }                                       \
+        else if (sgn) { if (mins) CALL(8, 1, 1); else CALL(8, 1, 0); }                                          \
+        else { if (mins) CALL(8, 0, 1); else CALL(8, 0, 0); }                                                   \
+    } while (0)
+
+#ifdef WQ_AVX2
+/* an opaque step: keeps the compiler from contracting a product and the add after it into one FMA */
+#define NOFUSE(v) __asm__("" : "+x"(v))
+
+/* one column's 8 weights (bytes v8, one per row) scaled exactly, to out[0..7] */
+static inline __attribute__((always_inline)) void deq_col8(__m128i v8, __m256 s, __m256 mn, float *out,
+                                                           const int sgn, const int mins) {
+    __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(v8) : _mm256_cvtepu8_epi32(v8)), s);
+    if (mins) {
+        NOFUSE(p);
+        p = _mm256_add_ps(p, mn);
+    }
+    _mm256_storeu_ps(out, p);
+}
+
+/* 8 weight rows (rows[r], r < 8) over the 32 columns of the block at kb: column k's 8 exact weights to
+ * out[k * 16 + 0..7]. s, mn: the 8 rows' scales and mins of the block's first and second 16 columns. The rows'
+ * bytes (or nibbles, widened to bytes) are transposed in registers: 3 rounds of unpacks within each 128-bit half. */
+static inline __attribute__((always_inline)) void deq_block8(const uint8_t *const *rows, int64_t kb, const __m256 s[2],
+                                                             const __m256 mn[2], float *out, const int bits,
+                                                             const int sgn, const int mins) {
+    __m256i R[8], a[8], b[8], c[8];
+    for (int r = 0; r < 8; r++) {
+        if (bits == 8) {
+            R[r] = _mm256_loadu_si256((const __m256i *)(rows[r] + kb));
+        } else { /* low nibbles are columns 0..15, high nibbles 16..31: one 128-bit half each */
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(rows[r] + kb / 2));
+            R[r] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
         }
+    }
+    /* per half (columns j and 16 + j): a: row pairs, b: row quads, c: all 8 rows of 2 columns */
+    for (int p = 0; p < 4; p++) {
+        a[2 * p] = _mm256_unpacklo_epi8(R[2 * p], R[2 * p + 1]);     /* columns 0..7 */
+        a[2 * p + 1] = _mm256_unpackhi_epi8(R[2 * p], R[2 * p + 1]); /* columns 8..15 */
+    }
+    for (int q = 0; q < 2; q++)
+        for (int h = 0; h < 2; h++) {
+            b[4 * q + 2 * h] = _mm256_unpacklo_epi16(a[4 * q + h], a[4 * q + 2 + h]);     /* 8h + 0..3 */
+            b[4 * q + 2 * h + 1] = _mm256_unpackhi_epi16(a[4 * q + h], a[4 * q + 2 + h]); /* 8h + 4..7 */
+        }
+    for (int i = 0; i < 4; i++) {
+        c[2 * i] = _mm256_unpacklo_epi32(b[i], b[4 + i]);     /* columns 4i, 4i + 1 */
+        c[2 * i + 1] = _mm256_unpackhi_epi32(b[i], b[4 + i]); /* columns 4i + 2, 4i + 3 */
+    }
+    for (int i = 0; i < 8; i++) {
+        const __m128i lo = _mm256_castsi256_si128(c[i]), hi = _mm256_extracti128_si256(c[i], 1);
+        deq_col8(lo, s[0], mn[0], out + (2 * i) * 16, sgn, mins);
+        deq_col8(_mm_unpackhi_epi64(lo, lo), s[0], mn[0], out + (2 * i + 1) * 16, sgn, mins);
+        deq_col8(hi, s[1], mn[1], out + (16 + 2 * i) * 16, sgn, mins);
+        deq_col8(_mm_unpackhi_epi64(hi, hi), s[1], mn[1], out + (17 + 2 * i) * 16, sgn, mins);
+    }
+}
+
+/* the panel of weight rows n0 .. n0 + 15 (rows past N repeat row N - 1), columns k0 .. k0 + kc: P[k][16] */
+static inline __attribute__((always_inline)) void deq_panel_l(const uint8_t *w, int64_t row_bytes, const float *ws,
+                                                              const float *wm, int64_t ng, int gshift, int64_t N,
+                                                              int64_t n0, int64_t k0, int64_t kc, float *P,
+                                                              const int bits, const int sgn, const int mins) {
+    for (int64_t o = 0; o < 2; o++) { /* rows 0..7, then 8..15 */
+        const uint8_t *rows[8];
+        const float *sr[8], *mr[8];
+        for (int r = 0; r < 8; r++) {
+            const int64_t n = n0 + 8 * o + r < N ? n0 + 8 * o + r : N - 1;
+            rows[r] = w + n * row_bytes;
+            sr[r] = ws + n * ng;
+            mr[r] = mins ? wm + n * ng : NULL;
+        }
+        for (int64_t kb = k0; kb < k0 + kc; kb += QB) {
+            const int64_t g0 = kb >> gshift, g1 = (kb + 16) >> gshift;
+            __m256 s[2], mn[2];
+#define GATHER8(a, g) _mm256_set_ps(a[7][g], a[6][g], a[5][g], a[4][g], a[3][g], a[2][g], a[1][g], a[0][g])
+            s[0] = GATHER8(sr, g0);
+            s[1] = g1 == g0 ? s[0] : GATHER8(sr, g1);
+            mn[0] = mins ? GATHER8(mr, g0) : _mm256_setzero_ps();
+            mn[1] = !mins ? mn[0] : g1 == g0 ? mn[0] : GATHER8(mr, g1);
+#undef GATHER8
+            deq_block8(rows, kb, s, mn, P + (kb - k0) * 16 + 8 * o, bits, sgn, mins);
+        }
+    }
+}
+
+static void deq_panel(const uint8_t *w, int bits, int sgn, int64_t row_bytes, const float *ws, const float *wm,
+                      int64_t ng, int gshift, int64_t N, int64_t n0, int64_t k0, int64_t kc, float *P) {
+#define DEQ(B, S, MN) deq_panel_l(w, row_bytes, ws, wm, ng, gshift, N, n0, k0, kc, P, B, S, MN)
+    LAYOUT_DISPATCH(bits, sgn, wm != NULL, DEQ);
+#undef DEQ
+}
+
+/* acc[i * 16 + 0..15] += sum over k < kc of x[i * ldx + k] * P[k][0..15] for i < MB: one FMA chain each, in registers
+ * (loops unrolled before GCC's scalar replacement: else the sums go through the stack at every step) */
+#define UNROLL _Pragma("GCC unroll 8")
+#define QMICRO(MB)                                                                                               \
+    static __attribute__((noinline)) void qmicro_##MB(const float *x, int64_t ldx, const float *P, int64_t kc,   \
+                                                      float *acc) {                                              \
+        __m256 lo[MB], hi[MB];                                                                                   \
+        UNROLL for (int i = 0; i < MB; i++) {                                                                    \
+            lo[i] = _mm256_loadu_ps(acc + i * 16);                                                               \
+            hi[i] = _mm256_loadu_ps(acc + i * 16 + 8);                                                           \
+        }                                                                                                        \
+        for (int64_t k = 0; k < kc; k++) {                                                                       \
+            const __m256 w0 = _mm256_loadu_ps(P + k * 16), w1 = _mm256_loadu_ps(P + k * 16 + 8);                 \
+            UNROLL for (int i = 0; i < MB; i++) {                                                                \
+                const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);                                          \
+                lo[i] = _mm256_fmadd_ps(w0, xb, lo[i]);                                                          \
+                hi[i] = _mm256_fmadd_ps(w1, xb, hi[i]);                                                          \
+            }                                                                                                    \
+        }                                                                                                        \
+        UNROLL for (int i = 0; i < MB; i++) {                                                                    \
+            _mm256_storeu_ps(acc + i * 16, lo[i]);                                                               \
+            _mm256_storeu_ps(acc + i * 16 + 8, hi[i]);                                                           \
+        }                                                                                                        \
+    }
+QMICRO(1) QMICRO(2) QMICRO(3) QMICRO(4) QMICRO(5) QMICRO(6)
+
+/* mb rows (1..6) */
+static inline void qmicro(int64_t mb, const float *x, int64_t ldx, const float *P, int64_t kc, float *acc) {
+    switch (mb) {
+        case 6: qmicro_6(x, ldx, P, kc, acc); break;
+        case 5: qmicro_5(x, ldx, P, kc, acc); break;
+        case 4: qmicro_4(x, ldx, P, kc, acc); break;
+        case 3: qmicro_3(x, ldx, P, kc, acc); break;
+        case 2: qmicro_2(x, ldx, P, kc, acc); break;
+        default: qmicro_1(x, ldx, P, kc, acc); break;
+    }
+}
+#else
+/* portable: the same exact weights, one row at a time, and the same chains over k (without explicit vectors) */
+static __attribute__((optimize("fp-contract=off"))) void deq_row(const uint8_t *w, int bits, int sgn, int gshift,
+                                                                 const float *ws, const float *wm, int64_t k0,
+                                                                 int64_t kc, float *out, int64_t stride) {
+    for (int64_t k = k0; k < k0 + kc; k++) {
+        float q;
+        if (bits == 8) q = sgn ? (float)(int8_t)w[k] : (float)w[k];
+        else {
+            const int64_t b = k / QB, i = k % QB;
+            q = (float)(i < 16 ? (w[b * 16 + i] & 0x0F) : (w[b * 16 + i - 16] >> 4));
+        }
+        const float v = ws[k >> gshift] * q;
+        out[(k - k0) * stride] = wm ? v + wm[k >> gshift] : v;
+    }
+}
+
+static void deq_panel(const uint8_t *w, int bits, int sgn, int64_t row_bytes, const float *ws, const float *wm,
+                      int64_t ng, int gshift, int64_t N, int64_t n0, int64_t k0, int64_t kc, float *P) {
+    for (int64_t j = 0; j < 16; j++) {
+        const int64_t n = n0 + j < N ? n0 + j : N - 1;
+        deq_row(w + n * row_bytes, bits, sgn, gshift, ws + n * ng, wm ? wm + n * ng : NULL, k0, kc, P + j, 16);
+    }
+}
+
+static void qmicro(int64_t mb, const float *x, int64_t ldx, const float *P, int64_t kc, float *acc) {
+    for (int64_t i = 0; i < mb; i++)
+        for (int64_t j = 0; j < 16; j++) {
+            float a = acc[i * 16 + j];
+            for (int64_t k = 0; k < kc; k++) a = fmaf(P[k * 16 + j], x[i * ldx + k], a);
+            acc[i * 16 + j] = a;
+        }
+}
+#endif
+
+/* Few rows (M < PANEL_ROWS), where dequantizing a panel would cost more than the products: each weight row's
+ * 32-blocks widened to float32 q in registers, multiplied with up to 3 input rows' values, and each block's sum
+ * scaled once (scale * sum q x); the mins meet the input rows' float32 sums over their groups (min * sum x). One
+ * weight row at a time: 4 rows read side by side streamed from memory 25-35% slower (1B shapes, one thread). The
+ * same weights as the panels, summed in another order: a row's result is the same in any batch of 1-5 rows, and in
+ * any batch of PANEL_ROWS or more, but not across the two. */
+#define PANEL_ROWS 6 /* measured: 4 and 5 rows are faster row by row, 6 and 8 in panels (1B and 135M shapes) */
+
+#ifdef WQ_AVX2
+/* the 32 q of the block at kb (unscaled), as float32, in column order */
+static inline __attribute__((always_inline)) void widen32(const uint8_t *w, int64_t kb, __m256 wf[4], const int bits,
+                                                          const int sgn) {
+    if (bits == 8) {
+        for (int j = 0; j < 4; j++) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(w + kb + 8 * j));
+            wf[j] = _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q));
+        }
+    } else { /* byte j: weight j in its low nibble, j + 16 in its high one */
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + kb / 2)));
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + kb / 2 + 8)));
+        const __m256i low4 = _mm256_set1_epi32(15);
+        wf[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));
+        wf[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4));
+        wf[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+        wf[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    }
+}
+
+/* acc[m] += scale * (x_m . q) over the 32-block at kb of one weight row, for mt input rows (G = 16: two scales) */
+static inline __attribute__((always_inline)) void block_scaled(const uint8_t *w, const float *ws, int gshift,
+                                                               const float *x, int64_t K, int64_t kb, __m256 acc[4],
+                                                               const int mt, const int bits, const int sgn,
+                                                               const int g16) {
+    __m256 wf[4];
+    widen32(w, kb, wf, bits, sgn);
+    const float *sr = ws + (kb >> gshift);
+    for (int m = 0; m < mt; m++) {
+        const float *xb = x + m * K + kb;
+        __m256 d0 = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xb));
+        d0 = _mm256_fmadd_ps(wf[1], _mm256_loadu_ps(xb + 8), d0);
+        __m256 d1 = _mm256_mul_ps(wf[2], _mm256_loadu_ps(xb + 16));
+        d1 = _mm256_fmadd_ps(wf[3], _mm256_loadu_ps(xb + 24), d1);
+        if (!g16) {
+            acc[m] = _mm256_fmadd_ps(_mm256_add_ps(d0, d1), _mm256_set1_ps(sr[0]), acc[m]);
+        } else {
+            acc[m] = _mm256_fmadd_ps(d0, _mm256_set1_ps(sr[0]), acc[m]);
+            acc[m] = _mm256_fmadd_ps(d1, _mm256_set1_ps(sr[1]), acc[m]);
+        }
+    }
+}
+
+/* sums[m] = x_m . w for one weight row (w; its scales ws and mins wm or NULL, ng of each) and mt (1..4) input rows
+ * (x: row stride K; xg: their group sums, row stride ng). Four blocks (a cache line of nibbles) a step, each asking
+ * for the line PF_AHEAD bytes on: the next rows follow on, so a task's rows are one stream. */
+#define PF_AHEAD 1024
+static inline __attribute__((always_inline)) void row_scaled(const uint8_t *w, const float *ws, const float *wm,
+                                                             int64_t ng, int gshift, const float *x, const float *xg,
+                                                             int64_t K, float sums[4], const int mt, const int bits,
+                                                             const int sgn, const int g16) {
+    __m256 acc[4];
+    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
+    int64_t kb = 0;
+    for (; kb + 4 * QB <= K; kb += 4 * QB) {
+        _mm_prefetch((const char *)(w + (kb * bits) / 8 + PF_AHEAD), _MM_HINT_T0);
+        if (bits == 8) _mm_prefetch((const char *)(w + kb + 64 + PF_AHEAD), _MM_HINT_T0);
+        for (int u = 0; u < 4; u++) block_scaled(w, ws, gshift, x, K, kb + u * QB, acc, mt, bits, sgn, g16);
+    }
+    for (; kb < K; kb += QB) block_scaled(w, ws, gshift, x, K, kb, acc, mt, bits, sgn, g16);
+    for (int m = 0; m < mt; m++) {
+        float v = hsum(acc[m]);
+        if (wm) {
+            const float *g = xg + m * ng;
+            float t = 0.f;
+#pragma omp simd reduction(+ : t)
+            for (int64_t j = 0; j < ng; j++) t += wm[j] * g[j];
+            v += t;
+        }
+        sums[m] = v;
+    }
+}
+
+/* weight rows n0 .. n1 against all M rows, 4 input rows a pass (a weight row stays in L1 between passes), one
+ * function per (bits, sgn, g16) */
+#define SMALL_FN(B, S, G16)                                                                                       \
+    static __attribute__((noinline)) void small_##B##_##S##_##G16(                                                 \
+        const float *xf, const float *xg, int64_t M, int64_t K, const uint8_t *w, int64_t row_bytes,             \
+        const float *ws, const float *wm, int64_t ng, int gshift, int64_t n0, int64_t n1, const float *bias,     \
+        const uint16_t *res, void *out, int out_bf16, int64_t ldo) {                                              \
+        for (int64_t n = n0; n < n1; n++)                                                                         \
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                               \
+                const int64_t mt = M - m0 < 4 ? M - m0 : 4;                                                       \
+                const uint8_t *wn = w + n * row_bytes;                                                            \
+                const float *sn = ws + n * ng, *mn = wm ? wm + n * ng : NULL;                                     \
+                const float *xm = xf + m0 * K, *gm = xg ? xg + m0 * ng : NULL;                                    \
+                float sums[4];                                                                                    \
+                if (mt == 4) row_scaled(wn, sn, mn, ng, gshift, xm, gm, K, sums, 4, B, S, G16);                   \
+                else if (mt == 3) row_scaled(wn, sn, mn, ng, gshift, xm, gm, K, sums, 3, B, S, G16);              \
+                else if (mt == 2) row_scaled(wn, sn, mn, ng, gshift, xm, gm, K, sums, 2, B, S, G16);              \
+                else row_scaled(wn, sn, mn, ng, gshift, xm, gm, K, sums, 1, B, S, G16);                           \
+                for (int64_t i = 0; i < mt; i++) put(sums[i], m0 + i, n, bias, res, out, out_bf16, ldo);          \
+            }                                                                                                     \
+    }
+SMALL_FN(4, 0, 0) SMALL_FN(4, 0, 1) SMALL_FN(8, 1, 0) SMALL_FN(8, 1, 1) SMALL_FN(8, 0, 0) SMALL_FN(8, 0, 1)
+#else
+static void row_scaled_p(const uint8_t *w, const float *ws, const float *wm, int64_t ng, int gshift, const float *x,
+                         const float *xg, int64_t K, float *sums, int64_t mt, int bits, int sgn) {
+    for (int64_t m = 0; m < mt; m++) {
+        float acc = 0.f;
+        for (int64_t kb = 0; kb < K; kb += QB) {
+            float lo = 0.f, hi = 0.f;
+            for (int i = 0; i < QB; i++) {
+                float q;
+                if (bits == 8) q = sgn ? (float)(int8_t)w[kb + i] : (float)w[kb + i];
+                else q = (float)(i < 16 ? (w[kb / 2 + i] & 0x0F) : (w[kb / 2 + i - 16] >> 4));
+                if (i < 16) lo += q * x[m * K + kb + i];
+                else hi += q * x[m * K + kb + i];
+            }
+            acc += lo * ws[kb >> gshift] + hi * ws[(kb + 16) >> gshift];
+        }
+        for (int64_t j = 0; wm && j < ng; j++) acc += wm[j] * xg[m * ng + j];
+        sums[m] = acc;
+    }
+}
+#endif
+
+/* few rows (M < PANEL_ROWS): a group of 4 weight rows a task */
+static void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn,
+                       int64_t G, const float *ws, const float *wm, const float *bias, const uint16_t *res, void *out,
+                       int out_bf16, int64_t ldo, int64_t N) {
+    const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2, groups = (N + 3) / 4;
+    const int gshift = G == 16 ? 4 : G == 32 ? 5 : G == 64 ? 6 : 7;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = 4 * g, n1 = n0 + 4 < N ? n0 + 4 : N;
+#ifdef WQ_AVX2
+#define SMALL(B, S, G16) small_##B##_##S##_##G16(xf, xg, M, K, w, row_bytes, ws, wm, ng, gshift, n0, n1, bias, res, out, \
+                                                 out_bf16, ldo)
+        const int g16 = gshift == 4;
+        if (bits == 4) { if (g16) SMALL(4, 0, 1); else SMALL(4, 0, 0); }
+        else if (sgn) { if (g16) SMALL(8, 1, 1); else SMALL(8, 1, 0); }
+        else { if (g16) SMALL(8, 0, 1); else SMALL(8, 0, 0); }
+#undef SMALL
+#else
+        for (int64_t n = n0; n < n1; n++) {
+            float sums[PANEL_ROWS];
+            row_scaled_p(w + n * row_bytes, ws + n * ng, wm ? wm + n * ng : NULL, ng, gshift, xf, xg, K, sums, M, bits,
+                         sgn);
+            for (int64_t m = 0; m < M; m++) put(sums[m], m, n, bias, res, out, out_bf16, ldo);
+        }
+#endif
+    }
+}
+
+/* ask for the bytes [lo, hi) of rows n0 .. n1 of a [N, row] byte array ahead of their use: a task reads its rows a
+ * chunk at a time, 16 or 32 short pieces far apart, which the hardware prefetchers do not follow */
+static inline void prefetch_rows(const void *base, int64_t row, int64_t n0, int64_t n1, int64_t lo, int64_t hi) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t b = (lo & ~(int64_t)63); b < hi; b += 64) __builtin_prefetch((const char *)base + n * row + b);
+}
+
+static void gemm_panels(const float *xf, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
+                        const float *scales, const float *mins, const float *bias, const uint16_t *res, void *out,
+                        int out_bf16, int64_t ldo, int64_t N) {
+    const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2, wb = bits == 8 ? 1 : 2;
+    const int gshift = G == 16 ? 4 : G == 32 ? 5 : G == 64 ? 6 : 7;
+    const int64_t panels = (N + 15) / 16, chunks = (K + KC - 1) / KC;
+    /* blocks of rows for the micro-kernel: 5 or 6 rows keep the FMA units busy, fewer wait on the FMA latency; so
+     * as even as can be while all have 5 or 6 (32 rows: 6, 6, 5, 5, 5, 5, not 5 x 6 and 2), else 6s and the rest
+     * (8 rows: 6 and 2, faster than 4 and 4) */
+    const int64_t blocks = (M + 5) / 6, short_by = blocks * 6 - M, even = M >= 5 * blocks;
+#pragma omp parallel
+    {
+        float *P = (float *)aligned_alloc(64, KC * 16 * sizeof(float));
+        float *acc = (float *)aligned_alloc(64, (size_t)(M * 16) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t n0 = p * 16, nr = N - n0 < 16 ? N - n0 : 16;
+            memset(acc, 0, (size_t)(M * 16) * sizeof(float));
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t k0 = c * KC, kc = K - k0 < KC ? K - k0 : KC;
+                { /* the next chunk's weights, scales and mins (or the next panel's first) */
+                    const int64_t pn = c + 1 < chunks ? n0 : n0 + 16, pk = c + 1 < chunks ? k0 + kc : 0;
+                    const int64_t pn1 = pn + 16 < N ? pn + 16 : N, pk1 = K - pk < KC ? K : pk + KC;
+                    prefetch_rows(w, row_bytes, pn, pn1, pk / wb, pk1 / wb);
+                    prefetch_rows(scales, ng * 4, pn, pn1, (pk / G) * 4, (pk1 / G) * 4);
+                    if (mins) prefetch_rows(mins, ng * 4, pn, pn1, (pk / G) * 4, (pk1 / G) * 4);
+                }
+                deq_panel(w, bits, sgn, row_bytes, scales, mins, ng, gshift, N, n0, k0, kc, P);
+                for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+                    const int64_t mb = even ? 6 - short_by / blocks - (b >= blocks - short_by % blocks)
+                                            : M - m0 < 6 ? M - m0 : 6;
+                    qmicro(mb, xf + m0 * K + k0, K, P, kc, acc + m0 * 16);
+                    m0 += mb;
+                }
+            }
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < nr; j++) put(acc[m * 16 + j], m, n0 + j, bias, res, out, out_bf16, ldo);
+        }
+        free(P);
+        free(acc);
+    }
 }
 
 /* out[m, n] (row stride ldo) = sum_k x[m, k] * W[n, k] (+ bias[n]) for W [N, K] in one of the layouts above: bits
  * 8 (sgn: signed values) or 4; scales and mins (or NULL) [N, K / G]. x: float32 or bf16 (x_bf16) [M, K]; K a
- * multiple of 32 and of G. out: float32, or bf16 (out_bf16), plus the bf16 residual res [M, ldo] when given. */
+ * multiple of 32 and of G. out: float32, or bf16 (out_bf16), plus the bf16 residual res [M, ldo] when given.
+ * act_int8: x rounded to int8 per 32 and multiplied in integers (else float32, exact weights; see above). */
 void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
            const float *scales, const float *mins, const float *bias, const uint16_t *res, void *out, int out_bf16,
            int64_t ldo, int64_t N, int act_int8) {
-    const int64_t nb = K / QB, ng = K / G, row_bytes = bits == 8 ? K : K / 2, ldy = N;
+    if (!act_int8) {
+        const int small = M < PANEL_ROWS;
+        float *xf = x_bf16 ? (float *)malloc((size_t)(M * K) * sizeof(float)) : NULL;
+        float *xg = small && mins ? (float *)malloc((size_t)(M * (K / G)) * sizeof(float)) : NULL;
+        if (xf || xg) quantize_rows(x, x_bf16, M, K, G, NULL, NULL, xg, xf);
+        const float *xr = xf ? xf : (const float *)x;
+        if (small) gemm_small(xr, xg, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N);
+        else gemm_panels(xr, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N);
+        free(xf);
+        free(xg);
+        return;
+    }
+    const int64_t nb = K / QB, ng = K / G, row_bytes = bits == 8 ? K : K / 2;
     const int gshift = G == 16 ? 4 : G == 32 ? 5 : G == 64 ? 6 : 7;
-    int8_t *xq = act_int8 ? (int8_t *)malloc((size_t)(M * K)) : NULL;
-    float *xs = act_int8 ? (float *)malloc((size_t)(M * nb) * sizeof(float)) : NULL;
-    float *xf = act_int8 ? NULL : (float *)malloc((size_t)(M * K) * sizeof(float));
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
     float *xg = (float *)malloc((size_t)(M * ng) * sizeof(float));
     float *y = (float *)malloc((size_t)(M * N) * sizeof(float));
-    quantize_rows(x, x_bf16, M, K, G, xq, xs, xg, xf);
+    quantize_rows(x, x_bf16, M, K, G, xq, xs, xg, NULL);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = w + n * row_bytes;
         const float *sn = scales + n * ng, *mn = mins ? mins + n * ng : NULL;
-        if (bits == 4) weight_row(wn, sn, mn, gshift, ng, nb, xq, xs, xg, xf, M, K, 4, 0, y + n, ldy);
-        else if (sgn) weight_row(wn, sn, mn, gshift, ng, nb, xq, xs, xg, xf, M, K, 8, 1, y + n, ldy);
-        else weight_row(wn, sn, mn, gshift, ng, nb, xq, xs, xg, xf, M, K, 8, 0, y + n, ldy);
+        if (bits == 4) weight_row_int8(wn, sn, mn, gshift, ng, nb, xq, xs, xg, M, K, 4, 0, y + n, N);
+        else if (sgn) weight_row_int8(wn, sn, mn, gshift, ng, nb, xq, xs, xg, M, K, 8, 1, y + n, N);
+        else weight_row_int8(wn, sn, mn, gshift, ng, nb, xq, xs, xg, M, K, 8, 0, y + n, N);
     }
-    epilogue(y, M, N, bias, res, out, out_bf16, ldo);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) put(y[m * N + n], m, n, bias, res, out, out_bf16, ldo);
     free(xq);
     free(xs);
-    free(xf);
     free(xg);
     free(y);
 }
 
-/* out [N, K] float32 = scale * q + min for rows of W in either layout (prefill's tiles, embeddings' rows). */
-__attribute__((optimize("fp-contract=off"))) void qdequant(const uint8_t *w, int bits, int sgn, int64_t G, const float *scales, const float *mins, int64_t N,
-              int64_t K, float *out) {
+/* out [N, K] float32 = scale * q + min for rows of W in either layout (prefill's tiles, embeddings' rows), the
+ * product rounded before the min is added: the same weights the float32 path multiplies. */
+__attribute__((optimize("fp-contract=off"))) void qdequant(const uint8_t *w, int bits, int sgn, int64_t G,
+                                                           const float *scales, const float *mins, int64_t N,
+                                                           int64_t K, float *out) {
     const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2;
 #pragma omp parallel for schedule(static) if (N * K > 65536)
     for (int64_t n = 0; n < N; n++) {

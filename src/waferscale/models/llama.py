@@ -11,7 +11,7 @@ from torch import nn
 
 from waferscale.kernels import DecodeLayerWeights, pack_bf16, pack_bf16_pairs
 from waferscale.models.config import ModelConfig
-from waferscale.models.quant import QuantEmbedding, QuantLinear, QuantWeight, cat_rows
+from waferscale.models.quant import ACT_INT8, QuantEmbedding, QuantLinear, QuantWeight, cat_rows
 
 _UPCAST_ROWS = 64  # without float32 copies, batches this large are still worth upcasting on the fly
 _F32_COPY_ROWS = 4  # with float32 copies, batches from this size use them
@@ -374,26 +374,39 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def _decode_weights(layer: DecoderLayer) -> DecodeLayerWeights | None:
-        """The layer's weights for the whole-layer decode call, or None where a part of it is not native."""
+        """The layer's weights for the whole-layer decode call, or None where a part of it is not native. Each
+        projection is bf16 packed (gate/up in pairs) or quantized (a QuantLinear's parts)."""
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(n.native is None for n in norms) or mlp.gate_up_pairs is None:
+        if any(n.native is None for n in norms):
             return None
+
+        def weight(m: nn.Module):
+            if isinstance(m, QuantLinear):
+                return m.parts if m.native is not None else None
+            return m.weight_packed
+
+        gate_up = mlp.gate_up_pairs
+        if gate_up is None and isinstance(mlp.gate_up_proj, QuantLinear):
+            gate_up = weight(mlp.gate_up_proj)
         projections = (attn.qkv_proj, attn.o_proj, mlp.down_proj)
-        if any(not isinstance(p, Linear) or p.weight_packed is None for p in projections):
+        qkv, o, down = (weight(p) for p in projections)
+        if any(w is None for w in (qkv, o, gate_up, down)):
             return None
-        if any(p.bias is not None for p in (attn.o_proj, mlp.down_proj)):
+        if any(p.bias is not None for p in (attn.o_proj, mlp.down_proj, mlp.gate_up_proj)):
             return None
+        qkv_proj = attn.qkv_proj
         return DecodeLayerWeights(
             norm1=layer.input_layernorm.weight,
-            qkv=attn.qkv_proj.weight_packed,
-            qkv_bias=attn.qkv_proj.bias_f32,
-            o=attn.o_proj.weight_packed,
+            qkv=qkv,
+            qkv_bias=qkv_proj.bias if isinstance(qkv_proj, QuantLinear) else qkv_proj.bias_f32,
+            o=o,
             norm2=layer.post_attention_layernorm.weight,
-            gate_up=mlp.gate_up_pairs,
+            gate_up=gate_up,
             inter=mlp.inter,
-            down=mlp.down_proj.weight_packed,
+            down=down,
             eps=layer.input_layernorm.eps,
+            act_int8=ACT_INT8,
         )
 
     @torch.inference_mode()

@@ -20,9 +20,10 @@ from torch import nn
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 GROUP = 32  # --quantization int8/int4 group size along K
 # without the native kernels, PyTorch dequantizes this many weights at a time (8 MiB of float32) for a GEMM. The
-# integer kernel serves every batch size: on the 2-core AVX2 machine, one thread, a [3072, 1024] weight, it takes
-# 7.4 ms at 32 rows against 30 ms for dequantize-then-GEMM, and 87 against 75-81 ms at 512 rows (prefill), so one
-# path serves all, and a row's result never depends on the batch it is in
+# native kernel serves every batch size: on the 2-core AVX2 machine, one thread, a [3072, 1024] int4 weight, it takes
+# 4.3 ms at 32 rows against 39 ms for dequantize-then-GEMM, and 52 against 93 ms at 512 rows (prefill). Inside, 1-5
+# rows and 6 or more take different paths (quant_kernels.c): a row's result is the same in any batch on one path,
+# and differs in the last bits between them
 _DEQUANT_TILE = 1 << 21
 # activations multiply the widened weights in float32 by default: rounding them to int8 per 32 (llama.cpp's way,
 # integer dot products) moved the built-in model's next-token log-probabilities by 0.08 nats on average, four times

@@ -1,0 +1,185 @@
+"""Microbenchmark of the quantized GEMM (kernels/quant_kernels.c's qgemm) against the bf16 packed GEMM
+(cpu_kernels.c's gemm_bf16_packed) on the same shapes, in the same run, with a memory-bandwidth probe beside them.
+
+Usage: .venv/bin/python scripts/bench_qgemm.py [--model 135m,1b] [--rows 1,32] [--kinds q4,q8] [--reps 7]
+                                               [--threads N] [--baseline REF]
+Each shape is a decoder projection (y = x W^T, bf16 rows in, bf16 out, as decoding calls it). Calls of every
+variant are interleaved, round after round, and the medians reported: on a shared machine only ratios measured
+together mean much. GB/s is the weight bytes read per call (bf16: 2 a weight; quantized: blocks, scales and mins)
+over the time per call. --baseline REF also times qgemm as quant_kernels.c was at git revision REF (built
+beside the current one), for before/after figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from waferscale import kernels  # noqa: E402
+from waferscale.models.quant import QuantWeight  # noqa: E402
+
+# [N, K] of each projection: SmolLM2-135M (the built-in model; hidden 576, intermediate 1536, 9 heads, 3 kv heads of
+# 64) and a Llama 3.2 1B (hidden 2048, intermediate 8192, 32 heads, 8 kv heads of 64)
+SHAPES = {
+    "135m": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
+    "1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
+}
+# bits, group, signed, mins: Q4_0/Q4_1/Q4_K/--quantization int4; Q8_0/int8; Q6_K; Q5_K
+KINDS = {
+    "q4": (4, 32, False, True),
+    "q8": (8, 32, True, False),
+    "q6k": (8, 16, True, False),
+    "q5k": (8, 32, False, True),
+}
+
+
+def random_weight(kind: str, n: int, k: int, gen: torch.Generator) -> QuantWeight:
+    bits, group, signed, mins = KINDS[kind]
+    if bits == 4:
+        q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    elif signed:
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    else:
+        q = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(n, k // group, generator=gen) * 0.01 + 0.001
+    m = -torch.rand(n, k // group, generator=gen) * 0.05 if mins else None
+    return QuantWeight(q, scales, m, bits, group, signed)
+
+
+def baseline_kernels(ref: str) -> kernels.NativeKernels:
+    """qgemm as quant_kernels.c was at git revision ref, compiled as the current build compiles it."""
+    root = Path(__file__).resolve().parents[1]
+    src = subprocess.run(
+        ["git", "show", f"{ref}:src/waferscale/kernels/quant_kernels.c"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout
+    tmp = Path(tempfile.mkdtemp(prefix="bench_qgemm-"))
+    (tmp / "q.c").write_bytes(src)
+    cc = ["cc", *kernels.COMPILE_FLAGS, "-c", str(tmp / "q.c"), "-o", str(tmp / "q.o")]
+    subprocess.run(cc, check=True)
+    subprocess.run(["cc", *kernels.LINK_FLAGS, str(tmp / "q.o"), "-o", str(tmp / "q.so"), "-lm"], check=True)
+    lib = ctypes.CDLL(str(tmp / "q.so"))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.qgemm.argtypes = [
+        ptr,
+        ctypes.c_int,
+        i64,
+        i64,
+        ptr,
+        ctypes.c_int,
+        ctypes.c_int,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+    ]
+    lib.qgemm.argtypes += [ptr, ctypes.c_int, i64, i64, ctypes.c_int]
+    lib.qgemm.restype = None
+    return kernels.NativeKernels(lib)
+
+
+def per_call(fn, budget: float = 0.03) -> float:
+    """Seconds a call, over as many calls as fit in about `budget` seconds (at least 2)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = time.perf_counter() - t0
+    n = max(2, int(budget / max(once, 1e-6)))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def bandwidth_probe() -> float:
+    """GB/s of torch's sum over a 1 GB float32 tensor (all threads): what streaming memory gives here."""
+    big = torch.ones(1 << 28)
+    big.sum()
+    t0 = time.perf_counter()
+    big.sum()
+    return big.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="135m,1b")
+    ap.add_argument("--rows", default="1,32")
+    ap.add_argument("--kinds", default="q4,q8")
+    ap.add_argument("--shapes", default="", help="only these projections (qkv,o,gate_up,down)")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: torch's)")
+    ap.add_argument("--stat", choices=["median", "min"], default="median", help="of the rounds, per variant")
+    ap.add_argument(
+        "--baseline", default="", help="also time qgemm from quant_kernels.c at this git revision"
+    )
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the kernels share torch's OpenMP runtime and its setting
+    native = kernels.load()
+    if native is None:
+        sys.exit("native kernels unavailable")
+    base = baseline_kernels(args.baseline) if args.baseline else None
+    gen = torch.Generator().manual_seed(0)
+    print(
+        f"threads {torch.get_num_threads()}; columns: ms a call ({args.stat} of {args.reps} interleaved rounds), GB/s "
+        "of weights read; ratios are same-run"
+    )
+    head = f"{'model':5} {'proj':8} {'N':>6} {'K':>5} {'kind':4} {'M':>3} | {'bf16 ms':>8} {'GB/s':>5} | "
+    head += f"{'quant ms':>8} {'GB/s':>5} | {'q/bf16':>6}"
+    head += f" | {'base ms':>8} {'GB/s':>5} {'new/base':>8}" if base else ""
+    print(head + " | probe GB/s")
+    for model in args.model.split(","):
+        for proj, (n, k) in SHAPES[model].items():
+            if args.shapes and proj not in args.shapes.split(","):
+                continue
+            dense = torch.randn(n, k, generator=gen) * 0.02
+            packed = kernels.pack_bf16(dense.bfloat16())
+            del dense
+            for kind in args.kinds.split(","):
+                w = random_weight(kind, n, k, gen)
+                for m in (int(r) for r in args.rows.split(",")):
+                    x = torch.randn(m, k, generator=gen).bfloat16()
+                    out = torch.empty(m, n, dtype=torch.bfloat16)
+                    fns = {
+                        "bf16": partial(native.linear_bf16, x, packed, n, None, torch.bfloat16),
+                        "quant": partial(native.qgemm, x, w, out),
+                    }
+                    if base:
+                        fns["base"] = partial(base.qgemm, x, w, out)
+                    times: dict[str, list[float]] = {name: [] for name in fns}
+                    probes = []
+                    for rep in range(args.reps):
+                        names = list(fns)
+                        names = names[rep % len(names) :] + names[: rep % len(names)]
+                        for name in names:
+                            times[name].append(per_call(fns[name]))
+                        if rep % 3 == 0:
+                            probes.append(bandwidth_probe())
+                    med = {name: statistics.median(t) for name, t in times.items()}
+                    if args.stat == "min":
+                        med = {name: min(t) for name, t in times.items()}
+                    qbytes, bbytes = w.nbytes(), n * k * 2
+                    line = f"{model:5} {proj:8} {n:6} {k:5} {kind:4} {m:3} | {med['bf16'] * 1e3:8.3f} "
+                    line += f"{bbytes / med['bf16'] / 1e9:5.1f} | {med['quant'] * 1e3:8.3f} "
+                    line += f"{qbytes / med['quant'] / 1e9:5.1f} | {med['quant'] / med['bf16']:6.2f}"
+                    if base:
+                        line += f" | {med['base'] * 1e3:8.3f} {qbytes / med['base'] / 1e9:5.1f} "
+                        line += f"{med['quant'] / med['base']:8.2f}"
+                    print(line + f" | {statistics.median(probes):5.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
