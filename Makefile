@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint audit clean
+.PHONY: install serve test test-ray lint audit clean
 
 install: $(STAMP)
 
@@ -20,7 +20,11 @@ serve: $(STAMP)
 	$(BIN)/waferscale serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -m "not ray" $(ARGS)
+
+# the scale-out tests: engine replicas on a local Ray cluster (about 3 minutes on 2 cores); CI runs them after `make test`
+test-ray: $(STAMP)
+	$(BIN)/python -m pytest -q -m ray $(ARGS)
 
 # pip-audit lives in its own venv so that its dependencies never mix with the project's.
 audit: $(STAMP)
