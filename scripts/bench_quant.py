@@ -132,7 +132,7 @@ def plan(args, cache: Path) -> list[tuple[str, base.Server, int]]:
     out = [
         (
             "built-in",
-            wsrv("ws_builtin_q", "waferscale Q4_1 blocks (default)", None, "auto"),
+            wsrv("ws_builtin_q", "waferscale Q4_1 blocks (auto)", None, "auto"),
             gguf_bytes(builtin, True),
         ),
         ("built-in", wsrv("ws_builtin_bf16", "waferscale bf16", None, "none"), gguf_bf16_bytes(builtin)),
