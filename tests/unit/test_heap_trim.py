@@ -27,7 +27,7 @@ class EndlessWork:
 
 def run_busy(monkeypatch, interval: float, seconds: float) -> int:
     trims = []
-    monkeypatch.setattr(async_engine, "_trim_heap", lambda: trims.append(time.monotonic()))
+    monkeypatch.setattr(async_engine, "trim_heap", lambda: trims.append(time.monotonic()))
     monkeypatch.setattr(async_engine, "TRIM_INTERVAL", interval)
     work = EndlessWork()
     engine = AsyncEngine(work)

@@ -8,7 +8,6 @@ raises fails its sequences and the loop goes on. If the thread itself ever ends,
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import gc
 import logging
 import threading
@@ -20,6 +19,7 @@ from waferscale.engine.llm_engine import LLMEngine
 from waferscale.engine.metrics import EngineStats
 from waferscale.engine.outputs import GenerationEvent
 from waferscale.engine.params import SamplingParams
+from waferscale.heap import trim_heap
 
 log = logging.getLogger("waferscale.engine")
 TRIM_INTERVAL = 30.0  # seconds of uninterrupted work between heap trims (a trim costs milliseconds)
@@ -128,10 +128,10 @@ class AsyncEngine:
         while True:
             if busy and not engine.has_work():
                 busy = False
-                _trim_heap()  # the engine just went idle: hand freed heap back to the OS (outside the lock)
+                trim_heap()  # the engine just went idle: hand freed heap back to the OS (outside the lock)
                 trimmed = time.monotonic()
             elif busy and time.monotonic() - trimmed > TRIM_INTERVAL:
-                _trim_heap()  # a load that never pauses: freed heap still goes back this often
+                trim_heap()  # a load that never pauses: freed heap still goes back this often
                 trimmed = time.monotonic()
             with self._cv:
                 while not self._commands and not engine.has_work() and not self._stopped:
@@ -180,22 +180,6 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # that event loop has closed: nobody is listening
                 pass
-
-
-def _load_malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def _trim_heap() -> None:
-    """Return free heap pages to the OS (glibc keeps the peak of a busy spell otherwise, and RSS creeps up)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, GenerationEvent]]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import json
@@ -20,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from waferscale import __version__, kernels
+from waferscale.heap import trim_heap
 from waferscale.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, check_no_sliding_window
 from waferscale.models.llama import HARDWARE_BF16_NATIVE_ROWS, LlamaForCausalLM, cpu_has_native_bf16
 from waferscale.models.quant import (
@@ -52,7 +52,7 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     fingerprint: str
-    quantization: str = "none"  # what the weights are served from: none, gguf (the file's own blocks), int8, int4
+    quantization: str = "auto"  # what the weights are served from: none, gguf (the file's own blocks), int8, int4
 
 
 def builtin_model_path() -> Path:
@@ -166,7 +166,7 @@ def _load_folder(
     tensors.clear()  # the model's modules hold the only references: a weight they release is freed
     model.load_hf_state(state, dtype)
     del state
-    _trim_heap()  # what fusing and packing freed goes back now, before the KV pool is reserved
+    trim_heap()  # what fusing and packing freed goes back now, before the KV pool is reserved
     model.eval()
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for m in quantized:
@@ -229,14 +229,6 @@ def _quantized_weights(src: Path, method: str, progress: bool) -> list[Path]:
     else:
         os.replace(tmp, target)
     return sorted(target.glob("*.safetensors"))
-
-
-def _trim_heap() -> None:
-    """glibc's malloc_trim(0), where there is one: freed heap pages back to the OS."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _f32_copy_bytes(cfg: ModelConfig) -> int:
