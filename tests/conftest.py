@@ -155,22 +155,30 @@ def http_f32(server_f32):
         yield client
 
 
-@pytest.fixture
-def cerebras(server):
+def cerebras_for(url: str):
+    """The official Cerebras SDK pointed at url, strict response validation on, no retries."""
     from cerebras.cloud.sdk import Cerebras
 
-    client = Cerebras(api_key="unused", base_url=server.url, max_retries=0, _strict_response_validation=True)
-    yield client
-    client.close()
+    return Cerebras(api_key="unused", base_url=url, max_retries=0, _strict_response_validation=True)
+
+
+def openai_for(url: str):
+    """The OpenAI SDK pointed at url's /v1, no retries."""
+    from openai import OpenAI
+
+    return OpenAI(api_key="unused", base_url=url + "/v1", max_retries=0)
+
+
+@pytest.fixture
+def cerebras(server):
+    with cerebras_for(server.url) as client:
+        yield client
 
 
 @pytest.fixture
 def openai_client(server):
-    from openai import OpenAI
-
-    client = OpenAI(api_key="unused", base_url=server.url + "/v1", max_retries=0)
-    yield client
-    client.close()
+    with openai_for(server.url) as client:
+        yield client
 
 
 def complete(http: httpx.Client, **body):

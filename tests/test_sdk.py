@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import ALIAS, MODEL
+from conftest import ALIAS, MODEL, cerebras_for, openai_for
 
 PROMPT = "It was a dark and stormy night"
 
@@ -18,20 +18,14 @@ def endpoint(request):
 
 @pytest.fixture
 def cerebras(endpoint):
-    from cerebras.cloud.sdk import Cerebras
-
-    client = Cerebras(api_key="unused", base_url=endpoint.url, max_retries=0, _strict_response_validation=True)
-    yield client
-    client.close()
+    with cerebras_for(endpoint.url) as client:
+        yield client
 
 
 @pytest.fixture
 def openai_client(endpoint):
-    from openai import OpenAI
-
-    client = OpenAI(api_key="unused", base_url=endpoint.url + "/v1", max_retries=0)
-    yield client
-    client.close()
+    with openai_for(endpoint.url) as client:
+        yield client
 
 
 def test_reference_example_parses_with_strict_validation(cerebras):
