@@ -182,6 +182,11 @@ def plan(args, cache: Path) -> list[tuple[str, base.Server, int]]:
     return out
 
 
+def peak_rss(r: dict) -> int | None:
+    """Peak RSS of one run: VmHWM during c=32, or VmRSS after load for single-only runs."""
+    return max(x for x in (r.get("rss_peak_c32"), r.get("rss_idle")) if x) if r.get("rss_idle") else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-1b", type=Path, help="a random 1B Hugging Face folder")
@@ -211,6 +216,13 @@ def main() -> None:
             rows.append((model, server, nbytes, None))
             continue
         rows.append((model, server, nbytes, r))
+        f = base.figures(r, None)
+        print(
+            f"  {model} {server.label}: single {base.fmt(f['single_tok_s'])} tok/s, c=32 "
+            f"{base.fmt(f['c32_tok_s'])} tok/s, peak RSS {base.fmt((peak_rss(r) or 0) / 2**20, 0)} MiB",
+            file=sys.stderr,
+            flush=True,
+        )
     print(
         "| model | server | single tok/s | bound tok/s (bytes/token) | % of bound | c=32 tok/s | peak RSS MiB "
         "| other cores |"
@@ -222,7 +234,7 @@ def main() -> None:
             print(f"| {model} | {server.label} | failed | | | | | |")
             continue
         f = base.figures(r, None)
-        rss = max(x for x in (r.get("rss_peak_c32"), r.get("rss_idle")) if x) if r.get("rss_idle") else None
+        rss = peak_rss(r)
         bound = bw * 1e9 / nbytes if nbytes else None
         pct = 100 * f["single_tok_s"] / bound if bound and f["single_tok_s"] else None
         cells = [
