@@ -107,7 +107,9 @@ def test_samples_of_every_root_are_valid(http, oracle):
     least half of each root's samples must be complete."""
 
     def sample(root: str) -> tuple[str, dict]:
-        max_tokens = 24 if root in ("nofcall", "root") else 64
+        # a function call at temperature 1.0 often runs past 64 tokens (served from the built-in model's Q4_1
+        # blocks, seed 7: 3 of 8 complete within 64, 6 of 8 within 128)
+        max_tokens = 24 if root in ("nofcall", "root") else 128 if root == "func" else 64
         body = {"prompt": PROMPTS[root], "grammar_root": root, "n": SAMPLES, "temperature": 1.0}
         return root, complete(http, seed=7, max_tokens=max_tokens, **body)
 

@@ -30,15 +30,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         choices=["auto", "none", "int8", "int4"],
-        default="none",
-        help="weights served as integer blocks, read by integer kernels: fewer bytes a token and less memory. "
-        "none (default): every weight dequantized to --dtype (2 bytes a weight in bf16; on the built-in model the "
-        "fastest, single stream and batched, since bf16 layers run as one native call); auto: a GGUF's quantized "
-        "tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) served from their own blocks, other weights as they are "
-        "(with --dtype float32: everything dequantized, the exact path); int8: float weights quantized once at "
-        "load (cached), 1.125 bytes a weight (built-in model: 0.026 nats mean next-token logprob difference); "
-        "int4: 0.75 bytes a weight, the smallest, less accurate (0.15 nats). Pick auto/int4 when the model would "
-        "not fit in memory as bf16. See docs/quantization.md",
+        default="auto",
+        help="how weights are held: integer blocks read by integer kernels cost fewer bytes a token and less "
+        "memory. auto (default): a GGUF's quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) served from their "
+        "own blocks, other weights as they are (a Hugging Face folder: as none; with --dtype float32: everything "
+        "dequantized, the exact path); on the built-in model faster than none single stream and batched, with "
+        "a quarter less memory. none: every weight dequantized to --dtype (2 bytes a weight in bf16). int8: float "
+        "weights quantized once at load (cached), 1.125 bytes a weight, close to bf16 in accuracy. int4: 0.75 "
+        "bytes a weight, the smallest and fastest single stream, less accurate. Pick int4 (or a Q4_K_M GGUF) when "
+        "the model would not fit in memory as bf16. Figures: README, docs/quantization.md",
     )
     p.add_argument(
         "--max-model-len",

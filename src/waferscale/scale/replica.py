@@ -29,7 +29,7 @@ class EngineSettings:
     enable_prefix_cache: bool
     queue_timeout: float
     threads: int
-    quantization: str = "none"
+    quantization: str = "auto"
 
 
 class EngineReplica:
