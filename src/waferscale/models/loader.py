@@ -52,7 +52,7 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     fingerprint: str
-    quantization: str = "auto"  # what the weights are served from: none, gguf (the file's own blocks), int8, int4
+    quantization: str = "none"  # what the weights are served from: none, gguf (the file's own blocks), int8, int4
 
 
 def builtin_model_path() -> Path:
@@ -85,7 +85,7 @@ def load_model(
     dtype: str = "bfloat16",
     max_model_len: int | None = None,
     progress: bool = True,
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Load and return a ready model; every failure is a ModelLoadError with one clear line.
 
