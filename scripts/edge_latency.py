@@ -2,7 +2,7 @@
 latency p99 of 16 decoding streams measured alone and under those loads, and the verdict against issue 16's bar
 (loaded p99 within 2x of alone).
 
-Usage: .venv/bin/python scripts/edge_latency.py [--rounds 2]
+Usage: .venv/bin/python scripts/edge_latency.py [--rounds 2] [--serve-arg ARG ...]
 
 The phases interleave (alone, loaded, alone, loaded, ...) so that a change in the machine's load between them
 falls on both; each side is the median of its phases' p99. A timing target lives here, not in the test suite
@@ -18,6 +18,12 @@ normal priority takes a core from the engine's OpenMP threads, and each parallel
 barrier for the thread that lost its core. With those tokenizations (and the parser process, nice 19) at idle
 priority: alone 64-81 ms, loaded 135-201 ms (2.3-2.5x, still over the bar), and the load requests' 400s take
 15-45 s while the streams keep both cores busy.
+With large bodies parsed in a child process over a Unix socket and the garbage collector's long-lived objects
+frozen at engine start (later the same day, quiet machine, `--rounds 2`, runs interleaved with the commit before
+that work): 1.77x and 2.27x against 3.23x and 3.94x before. With the built-in model served from its Q4_1 blocks
+(the default since, `--quantization auto`): 1.72x and 1.71x (alone 101-106 ms, loaded 172-182 ms); from bf16
+(`--serve-arg=--quantization --serve-arg=none`): 1.89x. Tokenizing long texts in a child process instead of an
+idle-priority thread changed nothing measurable (1.63-1.64x without it, interleaved), so it was not kept.
 """
 
 from __future__ import annotations
@@ -136,11 +142,13 @@ def p99(values: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2, help="phases of each kind (default 2)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra argument for `waferscale serve`")
     args = ap.parse_args()
     log = Path(".cache") / "edge-latency-server.log"
     log.parent.mkdir(exist_ok=True)
     loads = [_huge_body(), _one_word_body()]
-    with served([sys.executable, "-m", "waferscale", "serve"], log, "waferscale", timeout=300) as (url, _):
+    cmd = [sys.executable, "-m", "waferscale", "serve", *args.serve_arg]
+    with served(cmd, log, "waferscale", timeout=300) as (url, _):
         _phase(url, [], tokens=2)  # warm up: the batch shapes, the prefix cache
         alone, loaded, load_times = [], [], []
         for _ in range(args.rounds):
