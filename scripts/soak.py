@@ -11,10 +11,12 @@ use afterwards (blocks kept for the prefix cache are counted apart); the run's w
 run (a plateau and a leak look different there). Exit status 0 when every check passes on every path.
 
 `--path` forces one of the CPU paths the kernels choose, each on its own fresh server (repeatable; `all` runs each):
-native (the default: native kernels where they can be built; on CPUs with bf16 in hardware they take batches of up
-to 16 rows and oneDNN the rest), torch (WAFERSCALE_NATIVE_KERNELS=0: PyTorch ops only, oneDNN bf16 GEMMs where the
-CPU multiplies bf16, float32 weight copies where it emulates it), float32 (--dtype float32), no-amx (oneDNN held
-below AMX with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16; the same as native on CPUs without AMX).
+native (the default: the built-in model's Q4_1/Q8_0 blocks through the native quantized kernels), bf16
+(--quantization none: weights dequantized to bf16, native bf16 kernels where they can be built; on CPUs with bf16
+in hardware they take batches of up to 16 rows and oneDNN the rest; a Hugging Face folder's default), torch
+(WAFERSCALE_NATIVE_KERNELS=0: PyTorch ops only, a tile of the blocks dequantized at a time), float32 (--dtype
+float32: weights dequantized to float32), no-amx (bf16 with oneDNN held below AMX by
+ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16; the same as bf16 on CPUs without AMX).
 """
 
 from __future__ import annotations
@@ -113,9 +115,10 @@ async def one(client, kind: str, body: dict, tally: Counter) -> None:
 
 PATHS = {  # name -> (extra `serve` arguments, extra environment)
     "native": ([], {}),
+    "bf16": (["--quantization", "none"], {}),
     "torch": ([], {"WAFERSCALE_NATIVE_KERNELS": "0"}),
     "float32": (["--dtype", "float32"], {}),
-    "no-amx": ([], {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}),
+    "no-amx": (["--quantization", "none"], {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}),
 }
 
 
@@ -159,6 +162,8 @@ async def soak(url: str, pid: int, requests: int, concurrency: int, max_tokens: 
         def sample(done: int) -> None:
             if done % step == 0:
                 trace.append(round(rss_mib(pid)))
+                rate = done / (time.perf_counter() - start)
+                print(f"  {done}/{requests} requests, {rate:.1f}/s, RSS {trace[-1]} MiB", file=sys.stderr, flush=True)
 
         start = time.perf_counter()
         tally = await run_mix(client, plan, concurrency, sample)
