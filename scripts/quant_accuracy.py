@@ -5,8 +5,9 @@ Usage: .venv/bin/python scripts/quant_accuracy.py [--model PATH] [--tokens 32]
 The reference is today's exact path: the model's weights dequantized to float32, float32 activations. For each
 fixed prompt, the reference's greedy continuation is fed to every variant (teacher forcing, one forward each), and
 the script prints, per variant: greedy agreement (share of positions where the variant's top token is the
-reference's), the mean absolute difference of the next-token log-probability of the reference's token, the mean KL
-divergence, and perplexity on a fixed text. Q8_0/int8 must be within 0.02 nats of float32 (the issue's bar).
+reference's), the mean difference of the next-token log-probability of the reference's token (the issue's bar:
+Q8_0/int8 within 0.02 nats of float32 in mean next-token logprob) and its mean absolute difference (a stricter
+reading: every token's error counts, whatever its sign), the mean KL divergence, and perplexity on a fixed text.
 
 Variants: the GGUF's own blocks (Q4_1 and Q8_0 for the built-in model) served by the integer kernels; int8 and int4
 quantized from the float32 weights; each with float32 and with bfloat16 activations (the server's default).
@@ -92,8 +93,11 @@ def main() -> None:
         f"perplexity over {len(text_ids)} tokens"
     )
     print(f"float32 reference perplexity: {ppl(ref_text):.3f}\n")
-    print("| variant | greedy agreement | mean abs logprob diff (nats) | mean KL (nats) | perplexity |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| variant | greedy agreement | mean logprob diff (nats) | mean abs logprob diff (nats) | mean KL (nats) "
+        "| perplexity |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for name, loaded in variants.items():
         agree, diffs, kls = [], [], []
         for seq, start, rlp in zip(sequences, starts, ref_lp):
@@ -101,10 +105,14 @@ def main() -> None:
             pos = slice(start - 1, len(seq) - 1)
             targets = torch.tensor(seq[start:])[:, None]
             agree.append((lp[pos].argmax(-1) == rlp[pos].argmax(-1)).float())
-            diffs.append((lp[pos].gather(1, targets) - rlp[pos].gather(1, targets)).abs().squeeze(1))
+            diffs.append((lp[pos].gather(1, targets) - rlp[pos].gather(1, targets)).squeeze(1))
             kls.append((rlp[pos].exp() * (rlp[pos] - lp[pos])).sum(-1))
-        a, d, k = (torch.cat(x).mean().item() for x in (agree, diffs, kls))
-        print(f"| {name} | {a:.1%} | {d:.4f} | {k:.4f} | {ppl(logprobs(loaded, text_ids)):.3f} |")
+        a, k = (torch.cat(x).mean().item() for x in (agree, kls))
+        d = torch.cat(diffs)
+        print(
+            f"| {name} | {a:.1%} | {d.mean().item():+.4f} | {d.abs().mean().item():.4f} | {k:.4f} "
+            f"| {ppl(logprobs(loaded, text_ids)):.3f} |"
+        )
         sys.stdout.flush()
 
 
