@@ -83,10 +83,9 @@ TWO_CALL_HISTORY = [
 
 
 def _gguf_meta(path: Path) -> dict:
-    import gguf
+    from waferscale.models.gguf_file import read_gguf_file
 
-    reader = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    return {k: v for k, v in read_gguf_file(path).metadata.items() if k.startswith("tokenizer.")}
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 from waferscale import kernels
 from waferscale.engine import LLMEngine, SamplingParams
 from waferscale.models import builtin_model_path, load_model
+from waferscale.models.gguf_file import read_gguf_file
 from waferscale.models.quant import QuantLinear, QuantWeight, from_gguf, quantize
 
 native = kernels.load()
@@ -199,16 +200,11 @@ def _greedy(loaded, ids: list[int], n: int) -> list[int]:
 def write_tiny_gguf(path, kinds: dict[str, str]) -> None:
     """A 2-layer llama GGUF (hidden 256) with the built-in model's tokenizer, its projections in the formats given
     per tensor kind (attn_q, ffn_down, ...; default Q8_0), its embeddings in Q8_0."""
-    src = gguf.GGUFReader(str(builtin_model_path()))
+    src = read_gguf_file(builtin_model_path())
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, field in src.fields.items():
-        if key.startswith("GGUF.") or key.startswith("llama.") or key == "general.architecture":
-            continue
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub)
+    for key, value in src.metadata.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, value, *src.value_types[key])
     hidden, inter, heads, kv_heads, layers, vocab = 256, 512, 4, 2, 2, 49152
     writer.add_context_length(256)
     writer.add_embedding_length(hidden)

@@ -307,19 +307,15 @@ def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True, quantization
     """Config, tokenizer and Hugging Face-named tensors from a GGUF file: dequantised to dtype (quantization none),
     or, for the 2-D weights in a format models/quant.py serves, QuantWeights of the same values (and float
     2-D weights quantized with quantization int8/int4)."""
-    import gguf
     from gguf.quants import dequantize
 
+    from waferscale.models.gguf_file import read_gguf_file
+
     try:
-        reader = gguf.GGUFReader(str(src))
-    except Exception as exc:  # gguf raises bare ValueError/struct errors for non-GGUF files
+        reader = read_gguf_file(src)
+    except (ValueError, OSError) as exc:
         raise ModelLoadError(f"{src} is not a readable GGUF file: {exc}") from exc
-    meta = {}
-    for key, fld in reader.fields.items():
-        try:
-            meta[key] = fld.contents()
-        except Exception:  # fields we do not need may use layouts this gguf version cannot read
-            continue
+    meta = reader.metadata
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
