@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import socket
 import subprocess
@@ -94,6 +96,32 @@ def ray_server():
     s.stop(timeout=60)  # Serve drains and Ray stops its local cluster: give it the time rather than kill it
 
 
+_GGUF_READERS: dict = {}
+
+
+@contextlib.contextmanager
+def reused_gguf_parsing():
+    """While transformers loads the built-in GGUF: one gguf.GGUFReader per file for the session, and one tensor-name
+    map per load. transformers parses the file anew for the config, the weights and the tokenizer (3-6 s each on
+    the 2-core machine) and rebuilds gguf's name map for each of its 397 tensors (7 s); the same library code still
+    reads the same bytes, once."""
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = real_reader(path, *args, **kwargs)
+        return _GGUF_READERS[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+
 @pytest.fixture(scope="session")
 def hf_tokenizer():
     """The reference tokenizer (transformers, from the same GGUF), for token-id prompts in tests."""
@@ -102,7 +130,8 @@ def hf_tokenizer():
     from waferscale.models import builtin_model_path
 
     path = builtin_model_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with reused_gguf_parsing():
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @pytest.fixture(scope="session")
@@ -118,9 +147,10 @@ def hf_reference():
     from waferscale.models import builtin_model_path
 
     path = builtin_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    with reused_gguf_parsing():
+        return AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
 
 
 @pytest.fixture(scope="session")

@@ -89,7 +89,7 @@ def _gguf_meta(path: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def builtin():
+def builtin(hf_tokenizer):
     """(transformers tokenizer, ours) for the built-in model, cached once per GGUF file / library version."""
     import tokenizers
     import transformers
@@ -114,8 +114,7 @@ def builtin():
         tmp = cache.with_name(f"{key}.tmp{os.getpid()}")
         (tmp / "hf").mkdir(parents=True, exist_ok=True)
         (tmp / "ours").mkdir(parents=True, exist_ok=True)
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        hf.save_pretrained(str(tmp / "hf"))
+        hf_tokenizer.save_pretrained(str(tmp / "hf"))
         ModelTokenizer.from_gguf_metadata(_gguf_meta(path)).save(tmp / "ours")
         try:
             tmp.rename(cache)

@@ -307,11 +307,11 @@ def test_whole_layer_decode_call_matches_the_quantized_modules_bit_for_bit(tiny_
     whole_layer_against_modules(loaded.model, loaded.config, lengths)
 
 
-def test_int8_quantization_keeps_greedy_tokens(tmp_path, monkeypatch):
+def test_int8_quantization_keeps_greedy_tokens(tmp_path, monkeypatch, hf_tokenizer):
     """A tiny random llama made decisive: embeddings of norm ~sqrt(hidden) dominate the residual stream, and the
     untied head is the embeddings permuted, so each greedy step answers perm[last token] by a wide margin while
     every projection (at the default init) still shapes the logits."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path / "cache"))
     folder = tmp_path / "tiny-hf"
@@ -333,8 +333,7 @@ def test_int8_quantization_keeps_greedy_tokens(tmp_path, monkeypatch):
         perm = torch.randperm(cfg.vocab_size)
         ref.lm_head.weight.copy_(embed[torch.argsort(perm)])
     ref.save_pretrained(folder, safe_serialization=True)
-    src = builtin_model_path()
-    AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(folder)
+    hf_tokenizer.save_pretrained(folder)  # the built-in model's tokenizer, as transformers reads it
     exact = load_model(folder, dtype="float32", progress=False)
     q8 = load_model(folder, dtype="bfloat16", quantization="int8", progress=False)
     assert q8.quantization == "int8"
