@@ -2,24 +2,28 @@
 (cpu_kernels.c's gemm_bf16_packed) on the same shapes, in the same run, with a memory-bandwidth probe beside them.
 
 Usage: .venv/bin/python scripts/bench_qgemm.py [--model 135m,1b] [--rows 1,32] [--kinds q4,q8] [--reps 7]
-                                               [--threads N] [--baseline REF]
+                                               [--threads N] [--baseline REF] [--stream MB]
 Each shape is a decoder projection (y = x W^T, bf16 rows in, bf16 out, as decoding calls it). Calls of every
 variant are interleaved, round after round, and the medians reported: on a shared machine only ratios measured
 together mean much. GB/s is the weight bytes read per call (bf16: 2 a weight; quantized: blocks, scales and mins)
 over the time per call. --baseline REF also times qgemm as quant_kernels.c was at git revision REF (built
-beside the current one), for before/after figures.
+beside the current one), for before/after figures. --stream MB rotates each variant over copies of its weight
+that add up to at least MB megabytes, so that every call reads its weights from memory as a model's decoding
+does: without it, a weight that fits in the last-level cache (every 135M one, some 1B ones) may be read from the
+cache after the first call. (On the 2-core AVX2 machine, 1B gate_up and down at one row measured the same within
+the run-to-run noise either way: int4 10-12 GB/s, int8 16-18, with 20-24 from the probe.)
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -91,6 +95,22 @@ def baseline_kernels(ref: str) -> kernels.NativeKernels:
     return kernels.NativeKernels(lib)
 
 
+def copies(nbytes: int, stream_mb: int) -> int:
+    """How many copies of a weight of nbytes add up to stream_mb megabytes (1 without --stream)."""
+    return max(1, -(-stream_mb * 10**6 // nbytes))
+
+
+def clone(w: QuantWeight) -> QuantWeight:
+    mins = None if w.mins is None else w.mins.clone()
+    return QuantWeight(w.qweight.clone(), w.scales.clone(), mins, w.bits, w.group, w.signed)
+
+
+def rotating(items: list, fn):
+    """A call of fn on the next of items, round and round."""
+    it = itertools.cycle(items)
+    return lambda: fn(next(it))
+
+
 def per_call(fn, budget: float = 0.03) -> float:
     """Seconds a call, over as many calls as fit in about `budget` seconds (at least 2)."""
     fn()
@@ -121,6 +141,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="only these projections (qkv,o,gate_up,down)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: torch's)")
+    ap.add_argument(
+        "--stream", type=int, default=0, help="rotate over copies of each weight adding up to this many MB"
+    )
     ap.add_argument("--stat", choices=["median", "min"], default="median", help="of the rounds, per variant")
     ap.add_argument(
         "--baseline", default="", help="also time qgemm from quant_kernels.c at this git revision"
@@ -146,19 +169,20 @@ def main() -> None:
             if args.shapes and proj not in args.shapes.split(","):
                 continue
             dense = torch.randn(n, k, generator=gen) * 0.02
-            packed = kernels.pack_bf16(dense.bfloat16())
+            packs = [kernels.pack_bf16(dense.bfloat16()) for _ in range(copies(n * k * 2, args.stream))]
             del dense
             for kind in args.kinds.split(","):
                 w = random_weight(kind, n, k, gen)
+                ws = [w] + [clone(w) for _ in range(copies(w.nbytes(), args.stream) - 1)]
                 for m in (int(r) for r in args.rows.split(",")):
                     x = torch.randn(m, k, generator=gen).bfloat16()
                     out = torch.empty(m, n, dtype=torch.bfloat16)
                     fns = {
-                        "bf16": partial(native.linear_bf16, x, packed, n, None, torch.bfloat16),
-                        "quant": partial(native.qgemm, x, w, out),
+                        "bf16": rotating(packs, lambda p, x=x, n=n: native.linear_bf16(x, p, n, None, torch.bfloat16)),
+                        "quant": rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out)),
                     }
                     if base:
-                        fns["base"] = partial(base.qgemm, x, w, out)
+                        fns["base"] = rotating(ws, lambda q, x=x, out=out: base.qgemm(x, q, out))
                     times: dict[str, list[float]] = {name: [] for name in fns}
                     probes = []
                     for rep in range(args.reps):
