@@ -47,6 +47,17 @@ from waferscale.api.schemas import (
 log = logging.getLogger("waferscale.api")
 
 
+def post_doc(schema: str, headers: list[dict]) -> dict:
+    """openapi_extra for a POST endpoint: its body is `schema` in every content type we decode, with these header
+    parameters, behind the bearer key."""
+    body = {t: {"schema": {"$ref": f"#/components/schemas/{schema}"}} for t in REQUEST_CONTENT_TYPES}
+    return {
+        "requestBody": {"required": True, "content": body},
+        "parameters": headers,
+        "security": [{"HTTPBearer": []}],
+    }
+
+
 def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
     """The app serving `ctx`'s model; the engine thread starts and stops with the app's lifespan. A Keyring with a
     key file is re-read on SIGHUP."""
@@ -155,17 +166,7 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
         dependencies=[Depends(auth)],
         response_model=CreateCompletionResponse,
         responses={422: {"model": HTTPValidationError, "description": "Validation Error"}},
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {
-                    t: {"schema": {"$ref": "#/components/schemas/CompletionRequest"}}
-                    for t in REQUEST_CONTENT_TYPES
-                },
-            },
-            "parameters": COMPLETION_HEADERS,
-            "security": [{"HTTPBearer": []}],
-        },
+        openapi_extra=post_doc("CompletionRequest", COMPLETION_HEADERS),
     )
     async def completions(request: Request):
         obj = await read_body(request)
@@ -191,17 +192,7 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
         dependencies=[Depends(auth)],
         response_model=CreateChatCompletionResponse,
         responses={422: {"model": HTTPValidationError, "description": "Validation Error"}},
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {
-                    t: {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}
-                    for t in REQUEST_CONTENT_TYPES
-                },
-            },
-            "parameters": CHAT_HEADERS,
-            "security": [{"HTTPBearer": []}],
-        },
+        openapi_extra=post_doc("ChatCompletionRequest", CHAT_HEADERS),
     )
     async def chat_completions(request: Request):
         obj = await read_body(request)
