@@ -158,6 +158,17 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
         if inert:  # accepted whatever their value; they change nothing here
             log.info("%s request inert headers %s", kind, " ".join(f"{h}={v!r}" for h, v in inert.items()))
 
+    async def respond(
+        request: Request, req: CompletionRequest | ChatCompletionRequest, run: CompletionRun | ChatRun
+    ) -> Response:
+        """Queue a planned run under the caller's key limits and answer: a stream, or the whole body."""
+        run.run.cache_key = req.prompt_cache_key
+        reserve(request, run.run)  # 429 over the key's limits, before anything is queued
+        if req.stream:
+            await run.run.start()  # admitted (or refused with a real status) before the 200
+            return RunStream(run.stream(), run.run)
+        return answer(request, await run.collect(request.is_disconnected))
+
     @app.post(
         "/v1/completions",
         tags=["Completions"],
@@ -174,13 +185,7 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
         plan = await run_in_threadpool(plan_request, req, ctx)  # tokenization stays off the event loop
         check_capacity(len(plan.prompts) * plan.best_of, ctx)
         trace(request, "completion", req.user)
-        run = CompletionRun(plan, ctx, fault_after(request))
-        run.run.cache_key = req.prompt_cache_key
-        reserve(request, run.run)  # 429 over the key's limits, before anything is queued
-        if req.stream:
-            await run.run.start()  # admitted (or refused with a real status) before the 200
-            return RunStream(run.stream(), run.run)
-        return answer(request, await run.collect(request.is_disconnected))
+        return await respond(request, req, CompletionRun(plan, ctx, fault_after(request)))
 
     @app.post(
         "/v1/chat/completions",
@@ -200,13 +205,7 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
         plan = await run_in_threadpool(plan_chat, req, ctx)  # templating and tokenization off the event loop
         check_capacity(plan.n, ctx)
         trace(request, "chat", req.user)
-        run = ChatRun(plan, ctx, fault_after(request))
-        run.run.cache_key = req.prompt_cache_key
-        reserve(request, run.run)  # 429 over the key's limits, before anything is queued
-        if req.stream:
-            await run.run.start()  # admitted (or refused with a real status) before the 200
-            return RunStream(run.stream(), run.run)
-        return answer(request, await run.collect(request.is_disconnected))
+        return await respond(request, req, ChatRun(plan, ctx, fault_after(request)))
 
     def openapi() -> dict:
         if app.openapi_schema is None:
