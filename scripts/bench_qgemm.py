@@ -2,11 +2,12 @@
 (cpu_kernels.c's gemm_bf16_packed) on the same shapes, in the same run, with a memory-bandwidth probe beside them.
 
 Usage: .venv/bin/python scripts/bench_qgemm.py [--model 135m,1b] [--rows 1,32] [--kinds q4,q8] [--reps 7]
-                                               [--threads N] [--baseline REF] [--stream MB]
+                                               [--threads N] [--baseline REF] [--stream MB] [--int8]
 Each shape is a decoder projection (y = x W^T, bf16 rows in, bf16 out, as decoding calls it). Calls of every
 variant are interleaved, round after round, and the medians reported: on a shared machine only ratios measured
 together mean much. GB/s is the weight bytes read per call (bf16: 2 a weight; quantized: blocks, scales and mins)
-over the time per call. --baseline REF also times qgemm as quant_kernels.c was at git revision REF (built
+over the time per call. --int8 adds qgemm with activations rounded to int8 (WAFERSCALE_QUANT_ACTIVATIONS=int8's
+path) and its time over the float32 path's (i8/q). --baseline REF also times qgemm as quant_kernels.c was at git revision REF (built
 beside the current one), for before/after figures. --stream MB rotates each variant over copies of its weight
 that add up to at least MB megabytes, so that every call reads its weights from memory as a model's decoding
 does: without it, a weight that fits in the last-level cache (every 135M one, some 1B ones) may be read from the
@@ -144,6 +145,7 @@ def main() -> None:
     ap.add_argument(
         "--stream", type=int, default=0, help="rotate over copies of each weight adding up to this many MB"
     )
+    ap.add_argument("--int8", action="store_true", help="also time qgemm with activations rounded to int8")
     ap.add_argument("--stat", choices=["median", "min"], default="median", help="of the rounds, per variant")
     ap.add_argument(
         "--baseline", default="", help="also time qgemm from quant_kernels.c at this git revision"
@@ -162,6 +164,7 @@ def main() -> None:
     )
     head = f"{'model':5} {'proj':8} {'N':>6} {'K':>5} {'kind':4} {'M':>3} | {'bf16 ms':>8} {'GB/s':>5} | "
     head += f"{'quant ms':>8} {'GB/s':>5} | {'q/bf16':>6}"
+    head += f" | {'int8 ms':>8} {'i8/q':>6}" if args.int8 else ""
     head += f" | {'base ms':>8} {'GB/s':>5} {'new/base':>8}" if base else ""
     print(head + " | probe GB/s")
     for model in args.model.split(","):
@@ -181,6 +184,8 @@ def main() -> None:
                         "bf16": rotating(packs, lambda p, x=x, n=n: native.linear_bf16(x, p, n, None, torch.bfloat16)),
                         "quant": rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out)),
                     }
+                    if args.int8:
+                        fns["int8"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act_int8=True))
                     if base:
                         fns["base"] = rotating(ws, lambda q, x=x, out=out: base.qgemm(x, q, out))
                     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -199,6 +204,8 @@ def main() -> None:
                     line = f"{model:5} {proj:8} {n:6} {k:5} {kind:4} {m:3} | {med['bf16'] * 1e3:8.3f} "
                     line += f"{bbytes / med['bf16'] / 1e9:5.1f} | {med['quant'] * 1e3:8.3f} "
                     line += f"{qbytes / med['quant'] / 1e9:5.1f} | {med['quant'] / med['bf16']:6.2f}"
+                    if args.int8:
+                        line += f" | {med['int8'] * 1e3:8.3f} {med['int8'] / med['quant']:6.2f}"
                     if base:
                         line += f" | {med['base'] * 1e3:8.3f} {qbytes / med['base'] / 1e9:5.1f} "
                         line += f"{med['quant'] / med['base']:8.2f}"
