@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -68,6 +69,22 @@ def _engine_pids() -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def _busy_replica_pid(http: httpx.Client) -> int:
+    """The engine process of the replica running the most sequences now, as /metrics reports it (replica_info maps
+    replica ids to processes): routing is by prompt, so any one replica may have been given none of them."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        text = http.get("/metrics").text
+        infos = [dict(re.findall(r'(\w+)="([^"]*)"', labels)) for labels in re.findall(r"replica_info\{(.*)\}", text)]
+        pids = {info["replica"]: info["pid"] for info in infos}
+        running = re.findall(r'waferscale_replica_running\{replica="([^"]+)"\} (\S+)', text)
+        busy = sorted((-float(v), r) for r, v in running if float(v) > 0 and r in pids)
+        if busy:
+            return int(pids[busy[0][1]])
+        time.sleep(0.2)
+    pytest.fail("no replica reported a running sequence within 30 s")
+
+
 def test_a_killed_replica_fails_only_its_requests_with_503_and_is_replaced(ray_server, ray_http):
     """Runs last in this file: it kills one of the session's replicas and waits for Serve to replace it."""
     results: dict[int, tuple] = {}
@@ -90,7 +107,9 @@ def test_a_killed_replica_fails_only_its_requests_with_503_and_is_replaced(ray_s
     time.sleep(2)
     before = _engine_pids()
     assert len(before) == 2
-    os.kill(before[0], signal.SIGKILL)
+    killed = _busy_replica_pid(ray_http)  # a replica given none of the four would fail nothing
+    assert killed in before
+    os.kill(killed, signal.SIGKILL)
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads)  # nobody hangs
@@ -102,7 +121,7 @@ def test_a_killed_replica_fails_only_its_requests_with_503_and_is_replaced(ray_s
     deadline = time.time() + 120  # Serve starts another replica; it loads the model before it serves
     while time.time() < deadline:
         pids = _engine_pids()
-        if len(pids) == 2 and before[0] not in pids and "waferscale_replicas 2.0" in ray_http.get("/metrics").text:
+        if len(pids) == 2 and killed not in pids and "waferscale_replicas 2.0" in ray_http.get("/metrics").text:
             break
         time.sleep(1)
     else:
