@@ -89,7 +89,7 @@ def _gguf_meta(path: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def builtin(hf_tokenizer):
+def builtin(request):
     """(transformers tokenizer, ours) for the built-in model, cached once per GGUF file / library version."""
     import tokenizers
     import transformers
@@ -114,7 +114,7 @@ def builtin(hf_tokenizer):
         tmp = cache.with_name(f"{key}.tmp{os.getpid()}")
         (tmp / "hf").mkdir(parents=True, exist_ok=True)
         (tmp / "ours").mkdir(parents=True, exist_ok=True)
-        hf_tokenizer.save_pretrained(str(tmp / "hf"))
+        request.getfixturevalue("hf_tokenizer").save_pretrained(str(tmp / "hf"))  # only when not cached
         ModelTokenizer.from_gguf_metadata(_gguf_meta(path)).save(tmp / "ours")
         try:
             tmp.rename(cache)
