@@ -117,12 +117,12 @@ def read_gguf_file(path: str | Path) -> GGUFFile:
         except ValueError as exc:  # an empty file cannot be mapped
             raise ValueError(f"not a GGUF file ({exc})") from None
     try:
-        return _parse(buf, path)
+        return _parse(buf)
     except (struct.error, UnicodeDecodeError, OverflowError) as exc:
         raise ValueError(f"truncated or corrupt GGUF header ({exc})") from None
 
 
-def _parse(buf: mmap.mmap, path: str | Path) -> GGUFFile:
+def _parse(buf: mmap.mmap) -> GGUFFile:
     if buf[:4] != MAGIC:
         raise ValueError("not a GGUF file (bad magic)")
     order = "<"
@@ -152,7 +152,7 @@ def _parse(buf: mmap.mmap, path: str | Path) -> GGUFFile:
     if not isinstance(align, int) or align <= 0 or align & (align - 1):
         raise ValueError(f"general.alignment {align!r} is not a power of two")
     start = -(-cur.at // align) * align
-    whole = np.memmap(path, mode="r") if infos else None
+    whole = np.frombuffer(buf, dtype=np.uint8)  # the tensors view the same read-only mapping as the header
     tensors, seen = [], set()
     for name, dims, ttype, offset in infos:
         if name in seen:
