@@ -2,7 +2,7 @@
 (cpu_kernels.c's gemm_bf16_packed) on the same shapes, in the same run, with a memory-bandwidth probe beside them.
 
 Usage: .venv/bin/python scripts/bench_qgemm.py [--model 135m,1b] [--rows 1,32] [--kinds q4,q8] [--reps 7]
-                                               [--threads N] [--baseline REF] [--stream MB] [--int8]
+                                               [--threads N] [--baseline REF] [--stream MB] [--int8] [--flat]
 Each shape is a decoder projection (y = x W^T, bf16 rows in, bf16 out, as decoding calls it). Calls of every
 variant are interleaved, round after round, and the medians reported: on a shared machine only ratios measured
 together mean much. GB/s is the weight bytes read per call (bf16: 2 a weight; quantized: blocks, scales and mins)
@@ -12,7 +12,10 @@ beside the current one), for before/after figures. --stream MB rotates each vari
 that add up to at least MB megabytes, so that every call reads its weights from memory as a model's decoding
 does: without it, a weight that fits in the last-level cache (every 135M one, some 1B ones) may be read from the
 cache after the first call. (On the 2-core AVX2 machine, 1B gate_up and down at one row measured the same within
-the run-to-run noise either way: int4 10-12 GB/s, int8 16-18, with 20-24 from the probe.)
+the run-to-run noise either way: int4 10-12 GB/s, int8 16-18, with 20-24 from the probe.) --flat adds, for the
+K-quants' two-level layouts (q4k, q5k, q6k), the same weights with their scales multiplied out into one float32
+per group (the layout they had before), and its time over the two-level one's (flat/q). A baseline revision gets
+its weights in that one-level form too (older kernels know no other).
 """
 
 from __future__ import annotations
@@ -39,26 +42,55 @@ SHAPES = {
     "135m": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
     "1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
 }
-# bits, group, signed, mins: Q4_0/Q4_1/Q4_K/--quantization int4; Q8_0/int8; Q6_K; Q5_K
+# bits, group, signed, mins, two-level scales: Q4_0/Q4_1/--quantization int4; Q8_0/int8; Q4_K; Q6_K; Q5_K
 KINDS = {
-    "q4": (4, 32, False, True),
-    "q8": (8, 32, True, False),
-    "q6k": (8, 16, True, False),
-    "q5k": (8, 32, False, True),
+    "q4": (4, 32, False, True, False),
+    "q8": (8, 32, True, False, False),
+    "q4k": (4, 32, False, True, True),
+    "q6k": (8, 16, True, False, True),
+    "q5k": (8, 32, False, True, True),
 }
 
 
 def random_weight(kind: str, n: int, k: int, gen: torch.Generator) -> QuantWeight:
-    bits, group, signed, mins = KINDS[kind]
+    bits, group, signed, mins, two = KINDS[kind]
     if bits == 4:
         q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
     elif signed:
-        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        q = torch.randint(-32 if two else -127, 32 if two else 128, (n, k), dtype=torch.int8, generator=gen)
     else:
         q = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=gen)
+    if two:  # K-quants: bytes per group times a float32 per 256 weights
+        scales = torch.randint(1, 64, (n, k // group), dtype=torch.uint8, generator=gen)
+        scales = scales.view(torch.int8) if signed else scales
+        m = torch.randint(0, 64, (n, k // group), dtype=torch.uint8, generator=gen) if mins else None
+        sup = torch.rand(n, k // 256, generator=gen) * 0.001 + 0.0001
+        supm = -torch.rand(n, k // 256, generator=gen) * 0.001 if mins else None
+        return QuantWeight(q, scales, m, bits, group, signed, sup, supm)
     scales = torch.rand(n, k // group, generator=gen) * 0.01 + 0.001
     m = -torch.rand(n, k // group, generator=gen) * 0.05 if mins else None
     return QuantWeight(q, scales, m, bits, group, signed)
+
+
+def flat(w: QuantWeight) -> QuantWeight:
+    """The same weight with one-level float32 scales and mins (two-level ones multiplied out)."""
+    return QuantWeight(w.qweight, w.scale_values(), w.min_values(), w.bits, w.group, w.signed)
+
+
+class _OldSignature:
+    """qgemm of a revision before two-level scales: the weights passed one-level."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def qgemm(self, x, w, out, bias=None, residual=None, act_int8=False):
+        w = flat(w)
+        self.lib.qgemm(
+            x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1], w.qweight.data_ptr(), w.bits,
+            int(w.signed), w.group, w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
+            None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
+            out.data_ptr(), int(out.dtype == torch.bfloat16), out.stride(0), w.out_features, int(act_int8),
+        )
 
 
 def baseline_kernels(ref: str) -> kernels.NativeKernels:
@@ -93,7 +125,7 @@ def baseline_kernels(ref: str) -> kernels.NativeKernels:
     ]
     lib.qgemm.argtypes += [ptr, ctypes.c_int, i64, i64, ctypes.c_int]
     lib.qgemm.restype = None
-    return kernels.NativeKernels(lib)
+    return _OldSignature(lib)
 
 
 def copies(nbytes: int, stream_mb: int) -> int:
@@ -102,8 +134,10 @@ def copies(nbytes: int, stream_mb: int) -> int:
 
 
 def clone(w: QuantWeight) -> QuantWeight:
-    mins = None if w.mins is None else w.mins.clone()
-    return QuantWeight(w.qweight.clone(), w.scales.clone(), mins, w.bits, w.group, w.signed)
+    def c(t):
+        return None if t is None else t.clone()
+
+    return QuantWeight(c(w.qweight), c(w.scales), c(w.mins), w.bits, w.group, w.signed, c(w.sup), c(w.supm))
 
 
 def rotating(items: list, fn):
@@ -146,6 +180,7 @@ def main() -> None:
         "--stream", type=int, default=0, help="rotate over copies of each weight adding up to this many MB"
     )
     ap.add_argument("--int8", action="store_true", help="also time qgemm with activations rounded to int8")
+    ap.add_argument("--flat", action="store_true", help="also time two-level weights with one-level scales")
     ap.add_argument("--stat", choices=["median", "min"], default="median", help="of the rounds, per variant")
     ap.add_argument(
         "--baseline", default="", help="also time qgemm from quant_kernels.c at this git revision"
@@ -165,6 +200,7 @@ def main() -> None:
     head = f"{'model':5} {'proj':8} {'N':>6} {'K':>5} {'kind':4} {'M':>3} | {'bf16 ms':>8} {'GB/s':>5} | "
     head += f"{'quant ms':>8} {'GB/s':>5} | {'q/bf16':>6}"
     head += f" | {'int8 ms':>8} {'i8/q':>6}" if args.int8 else ""
+    head += f" | {'flat ms':>8} {'flat/q':>6}" if args.flat else ""
     head += f" | {'base ms':>8} {'GB/s':>5} {'new/base':>8}" if base else ""
     print(head + " | probe GB/s")
     for model in args.model.split(","):
@@ -177,6 +213,7 @@ def main() -> None:
             for kind in args.kinds.split(","):
                 w = random_weight(kind, n, k, gen)
                 ws = [w] + [clone(w) for _ in range(copies(w.nbytes(), args.stream) - 1)]
+                flats = [flat(c) for c in ws] if args.flat and w.sup is not None else None
                 for m in (int(r) for r in args.rows.split(",")):
                     x = torch.randn(m, k, generator=gen).bfloat16()
                     out = torch.empty(m, n, dtype=torch.bfloat16)
@@ -186,8 +223,10 @@ def main() -> None:
                     }
                     if args.int8:
                         fns["int8"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act_int8=True))
+                    if flats:
+                        fns["flat"] = rotating(flats, lambda q, x=x, out=out: native.qgemm(x, q, out))
                     if base:
-                        fns["base"] = rotating(ws, lambda q, x=x, out=out: base.qgemm(x, q, out))
+                        fns["base"] = rotating(flats or ws, lambda q, x=x, out=out: base.qgemm(x, q, out))
                     times: dict[str, list[float]] = {name: [] for name in fns}
                     probes = []
                     for rep in range(args.reps):
@@ -206,6 +245,9 @@ def main() -> None:
                     line += f"{qbytes / med['quant'] / 1e9:5.1f} | {med['quant'] / med['bf16']:6.2f}"
                     if args.int8:
                         line += f" | {med['int8'] * 1e3:8.3f} {med['int8'] / med['quant']:6.2f}"
+                    if args.flat:
+                        f = med.get("flat")
+                        line += f" | {f * 1e3:8.3f} {f / med['quant']:6.2f}" if f else f" | {'':8} {'':6}"
                     if base:
                         line += f" | {med['base'] * 1e3:8.3f} {qbytes / med['base'] / 1e9:5.1f} "
                         line += f"{med['quant'] / med['base']:8.2f}"

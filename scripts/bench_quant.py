@@ -33,8 +33,9 @@ QUICK = {
     "single": base.Scenario("single", 1, 1, 32, 16),
     "c32": base.Scenario("c32", 32, 32, 32, 8),
 }
-# bytes a weight in each served layout (ours: float32 scale, and min where the format has one, per group)
-OURS_BPW = {"Q8_0": 1.125, "Q4_0": 0.75, "Q4_1": 0.75, "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25}
+# bytes a weight in each served layout (ours: float32 scale, and min where the format has one, per group; the
+# K-quants: a byte scale (and min) per group times a float32 (each) per 256 weights)
+OURS_BPW = {"Q8_0": 1.125, "Q4_0": 0.75, "Q4_1": 0.75, "Q4_K": 0.59375, "Q5_K": 1.09375, "Q6_K": 1.078125}
 METHOD_BPW = {"none": 2.0, "int8": 1.125, "int4": 0.75}
 
 

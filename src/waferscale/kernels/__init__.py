@@ -93,10 +93,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemm_bf16_add.restype = None
     lib.argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.argmax_logsumexp.restype = None
-    lib.qgemm.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr]
+    lib.qgemm.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.qgemm.argtypes += [ptr, ctypes.c_int, i64, i64, ctypes.c_int]
     lib.qgemm.restype = None
-    lib.qdequant.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, i64, i64, ptr]
+    lib.qdequant.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64, i64, ptr]
     lib.qdequant.restype = None
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
     lib.decode_layer.argtypes += [ctypes.c_int] + [ptr] * 3 + [i64] * 5 + [f32]
@@ -156,10 +156,15 @@ def pack_bf16_pairs(gate_up: torch.Tensor) -> torch.Tensor:
     return pack_bf16(paired)
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer, or NULL."""
+    return None if t is None else t.data_ptr()
+
+
 class _QPart(ctypes.Structure):
     """cpu_kernels.c's qpart_t: one QuantWeight of a quantized projection."""
 
-    _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)] + [
+    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "scales", "mins", "sup", "supm")] + [
         (name, ctypes.c_int64) for name in ("bits", "sgn", "group", "rows")
     ]
 
@@ -185,7 +190,9 @@ def _proj(weight, act_int8: bool) -> _Proj:
             _QPart(
                 p.qweight.data_ptr(),
                 p.scales.data_ptr(),
-                None if p.mins is None else p.mins.data_ptr(),
+                _ptr(p.mins),
+                _ptr(p.sup),
+                _ptr(p.supm),
                 p.bits,
                 int(p.signed),
                 p.group,
@@ -462,7 +469,9 @@ class NativeKernels:
             int(w.signed),
             w.group,
             w.scales.data_ptr(),
-            None if w.mins is None else w.mins.data_ptr(),
+            _ptr(w.mins),
+            _ptr(w.sup),
+            _ptr(w.supm),
             None if bias is None else bias.data_ptr(),
             None if residual is None else residual.data_ptr(),
             out.data_ptr(),
@@ -474,16 +483,18 @@ class NativeKernels:
 
     def qdequant(self, w, rows: slice = slice(None)) -> torch.Tensor:
         """Rows of a QuantWeight as float32 [n, K] (scale * q + min, exactly)."""
-        q, s = w.qweight[rows], w.scales[rows]
-        mins = None if w.mins is None else w.mins[rows]
+        part = w.take_rows(rows)
+        q = part.qweight
         out = torch.empty(q.shape[0], w.in_features, dtype=torch.float32)
         self.lib.qdequant(
             q.data_ptr(),
             w.bits,
             int(w.signed),
             w.group,
-            s.data_ptr(),
-            None if mins is None else mins.data_ptr(),
+            part.scales.data_ptr(),
+            _ptr(part.mins),
+            _ptr(part.sup),
+            _ptr(part.supm),
             q.shape[0],
             w.in_features,
             out.data_ptr(),

