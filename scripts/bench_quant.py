@@ -2,7 +2,7 @@
 peak RSS, and each single-stream figure beside its memory-bandwidth bound.
 
 Usage: .venv/bin/python scripts/bench_quant.py [--model-1b DIR] [--model-8b DIR] [--servers a,b,...] [--quick]
-       [--skip-llamacpp] [--cache-dir DIR]
+       [--skip-llamacpp] [--cache-dir DIR] [--scenarios single,c32]
 
 --model-1b / --model-8b: Hugging Face folders of random Llama-shaped models (make them with the shared
 make_random_model.py --preset 1b|8b --tokenizer .../tokenizer.json OUT). The built-in model is always measured.
@@ -33,9 +33,9 @@ QUICK = {
     "single": base.Scenario("single", 1, 1, 32, 16),
     "c32": base.Scenario("c32", 32, 32, 32, 8),
 }
-# bytes a weight in each served layout (ours: float32 scale, and min where the format has one, per group; the
-# K-quants: a byte scale (and min) per group times a float32 (each) per 256 weights)
-OURS_BPW = {"Q8_0": 1.125, "Q4_0": 0.75, "Q4_1": 0.75, "Q4_K": 0.59375, "Q5_K": 1.09375, "Q6_K": 1.078125}
+# bytes a weight in each served layout (ours: Q8_0, Q4_0, Q4_1: a float16 scale, and min where the format has one,
+# per group of 32, as stored; the K-quants: a byte scale (and min) per group times a float32 (each) per 256 weights)
+OURS_BPW = {"Q8_0": 1.0625, "Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.59375, "Q5_K": 1.09375, "Q6_K": 1.078125}
 METHOD_BPW = {"none": 2.0, "int8": 1.125, "int4": 0.75}
 
 
@@ -194,6 +194,7 @@ def main() -> None:
     ap.add_argument("--model-8b", type=Path, help="a random 8B Hugging Face folder (int4 only)")
     ap.add_argument("--servers", help="comma-separated keys of the configurations to run (default: all)")
     ap.add_argument("--quick", action="store_true", help="tiny counts: a smoke test")
+    ap.add_argument("--scenarios", default="single,c32", help="which of single,c32 to run (default: both)")
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "waferscale-bench")
     ap.add_argument("--json", metavar="FILE")
@@ -205,11 +206,12 @@ def main() -> None:
     if args.servers:
         keep = set(args.servers.split(","))
         runs = [r for r in runs if r[1].key in keep]
-    scenarios = QUICK if args.quick else SCENARIOS
+    scenarios = {k: v for k, v in (QUICK if args.quick else SCENARIOS).items() if k in args.scenarios.split(",")}
     bw = base.memory_bandwidth()
     print(f"memory read bandwidth {bw:.1f} GB/s; load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
     rows = []
     for model, server, nbytes in runs:
+        server.scenarios = tuple(k for k in server.scenarios if k in scenarios)
         try:
             r = base.run_server(server, scenarios, log_dir, 0)
         except RuntimeError as exc:

@@ -93,10 +93,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemm_bf16_add.restype = None
     lib.argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.argmax_logsumexp.restype = None
-    lib.qgemm.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.qgemm.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr]
+    lib.qgemm.argtypes += [ctypes.c_int, ptr, ptr]
     lib.qgemm.argtypes += [ptr, ctypes.c_int, i64, i64, ctypes.c_int]
     lib.qgemm.restype = None
-    lib.qdequant.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64, i64, ptr]
+    lib.qdequant.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, ptr]
     lib.qdequant.restype = None
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
     lib.decode_layer.argtypes += [ctypes.c_int] + [ptr] * 3 + [i64] * 5 + [f32]
@@ -165,7 +166,7 @@ class _QPart(ctypes.Structure):
     """cpu_kernels.c's qpart_t: one QuantWeight of a quantized projection."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("w", "scales", "mins", "sup", "supm")] + [
-        (name, ctypes.c_int64) for name in ("bits", "sgn", "group", "rows")
+        (name, ctypes.c_int64) for name in ("bits", "sgn", "group", "rows", "sfmt")
     ]
 
 
@@ -197,6 +198,7 @@ def _proj(weight, act_int8: bool) -> _Proj:
                 int(p.signed),
                 p.group,
                 p.out_features,
+                p.scale_format,
             )
             for p in weight
         ]
@@ -472,6 +474,7 @@ class NativeKernels:
             _ptr(w.mins),
             _ptr(w.sup),
             _ptr(w.supm),
+            w.scale_format,
             None if bias is None else bias.data_ptr(),
             None if residual is None else residual.data_ptr(),
             out.data_ptr(),
@@ -495,6 +498,7 @@ class NativeKernels:
             _ptr(part.mins),
             _ptr(part.sup),
             _ptr(part.supm),
+            w.scale_format,
             q.shape[0],
             w.in_features,
             out.data_ptr(),

@@ -384,7 +384,7 @@ void decode_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
 
 /* quant_kernels.c's GEMM over quantized weights */
 void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
-           const void *scales, const void *mins, const float *sup, const float *supm, const float *bias,
+           const void *scales, const void *mins, const float *sup, const float *supm, int sfmt, const float *bias,
            const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, int act_int8);
 
 /* One of a layer's projections for decode_layer: bf16 weights packed as for the GEMMs above (packed; gate/up in
@@ -394,7 +394,7 @@ typedef struct {
     const uint8_t *w;
     const void *scales, *mins;
     const float *sup, *supm; /* K-quants: scales and mins as bytes times these (see qgemm) */
-    int64_t bits, sgn, group, rows;
+    int64_t bits, sgn, group, rows, sfmt;
 } qpart_t;
 typedef struct {
     const uint16_t *packed;
@@ -413,7 +413,7 @@ static void proj_run(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, i
         const qpart_t *q = p->parts + i;
         void *yc = y_bf16 ? (void *)((uint16_t *)y + col) : (void *)((float *)y + col);
         qgemm(x, 1, M, K, q->w, (int)q->bits, (int)q->sgn, q->group, q->scales, q->mins, q->sup, q->supm,
-              bias ? bias + col : NULL, res ? res + col : NULL, yc, y_bf16, N, q->rows, (int)p->act_int8);
+              (int)q->sfmt, bias ? bias + col : NULL, res ? res + col : NULL, yc, y_bf16, N, q->rows, (int)p->act_int8);
     }
 }
 

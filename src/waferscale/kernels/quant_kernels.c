@@ -45,12 +45,37 @@ static inline uint16_t f32_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* A weight matrix's scales (or mins), one per group of G weights along K: float32 [N, K / G] (f), or, for GGUF's
+/* IEEE half -> float32 (exact) */
+static inline float f16_f32(uint16_t h) {
+#if defined(WQ_AVX2) && defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t u;
+    if (e == 0x1f) u = sign | 0x7f800000u | (m << 13); /* inf, NaN */
+    else if (e) u = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m) u = sign;
+    else { /* subnormal: m * 2^-24 */
+        float f = (float)m * 5.9604644775390625e-8f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+/* A weight matrix's scales (or mins), one per group of G weights along K, in one of three formats (SC_*):
+ * float32 [N, K / G] (f); float16 [N, K / G] (h: GGUF's Q8_0, Q4_0 and Q4_1 as they store them); or, for GGUF's
  * K-quants, their two levels as stored (b: a byte per group, signed as the weights are, times sup: a float32 per
- * 256 weights [N, K / 256]), so that a group's value is sup[g >> shift] * b[g], formed where it is used: the same
- * float32 product as the one-level array would hold (an f16 times a 6- or 8-bit integer is exact in float32). */
+ * 256 weights [N, K / 256]), so that a group's value is sup[g >> shift] * b[g]. Either is widened or multiplied out
+ * where it is used: the float32 value the one-level array would hold (an f16 times a 6- or 8-bit integer is exact
+ * in float32), with fewer bytes to read. */
+enum { SC_F32 = 0, SC_F16 = 1, SC_TWO_LEVEL = 2 };
 typedef struct {
     const float *f;
+    const uint16_t *h;
     const uint8_t *b;
     const float *sup;
     int sgn, shift;
@@ -59,6 +84,7 @@ typedef struct {
 /* row n's scales, ng of them (NULL pointers stay NULL) */
 static inline sc_t sc_row(sc_t s, int64_t n, int64_t ng) {
     if (s.f) s.f += n * ng;
+    if (s.h) s.h += n * ng;
     if (s.b) {
         s.b += n * ng;
         s.sup += n * (ng >> s.shift);
@@ -66,10 +92,11 @@ static inline sc_t sc_row(sc_t s, int64_t n, int64_t ng) {
     return s;
 }
 
-static inline int sc_some(const sc_t *s) { return s->f || s->b; }
+static inline int sc_some(const sc_t *s) { return s->f || s->h || s->b; }
 
 static inline float sc_at(const sc_t *s, int64_t g) {
     if (s->f) return s->f[g];
+    if (s->h) return f16_f32(s->h[g]);
     return s->sup[g >> s->shift] * (s->sgn ? (float)(int8_t)s->b[g] : (float)s->b[g]);
 }
 
@@ -94,6 +121,16 @@ static inline float mins_dot(const sc_t *wm, const float *xg, int64_t ng) {
             acc = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xg + 8 * sb), acc);
         }
         return hsum(acc);
+    }
+    if (wm->h) { /* 8 mins widened together */
+        __m256 acc = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= ng; j += 8)
+            acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm->h + j))),
+                                  _mm256_loadu_ps(xg + j), acc);
+        t = hsum(acc);
+        for (; j < ng; j++) t += f16_f32(wm->h[j]) * xg[j];
+        return t;
     }
 #endif
     if (wm->f) {
@@ -470,6 +507,24 @@ static inline __attribute__((always_inline)) void block_scaled(const uint8_t *w,
     }
 }
 
+/* the ng scales of groups g0 .. g0 + ng of a 256-weight chunk (at most 16) as float32: f's own, or formed in buf */
+static inline __attribute__((always_inline)) const float *chunk_scales(const sc_t *ws, int64_t g0, int64_t ng,
+                                                                       const int sgn, float buf[16]) {
+    if (ws->f) return ws->f + g0;
+    if (ws->h) {
+        if (ng == 8) _mm256_storeu_ps(buf, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws->h + g0))));
+        else for (int64_t j = 0; j < ng; j++) buf[j] = f16_f32(ws->h[g0 + j]);
+        return buf;
+    }
+    const __m256 d = _mm256_set1_ps(ws->sup[g0 >> ws->shift]); /* a chunk is one super-block */
+    for (int64_t j = 0; j < ng; j += 8) {
+        const __m128i b8 = _mm_loadl_epi64((const __m128i *)(ws->b + g0 + j));
+        const __m256i v = sgn ? _mm256_cvtepi8_epi32(b8) : _mm256_cvtepu8_epi32(b8);
+        _mm256_storeu_ps(buf + j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
+    }
+    return buf;
+}
+
 /* sums[m] = x_m . w for one weight row (w; its scales ws and mins wm or NULL, ng of each) and mt (1..4) input rows
  * (x: row stride K; xg: their group sums, row stride ng). Four blocks (a cache line of nibbles) a step, each asking
  * for the line PF_AHEAD bytes on: the next rows follow on, so a task's rows are one stream. */
@@ -480,33 +535,18 @@ static inline __attribute__((always_inline)) void row_scaled(const uint8_t *w, c
                                                              const int sgn, const int g16) {
     __m256 acc[4];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
-    int64_t kb = 0;
-    if (ws->b) { /* two-level (K % 256 == 0): a super-block's scales formed together, before its 8 blocks */
-        const int per = 256 >> gshift; /* 8 or 16 */
-        float sr[16];
-        for (int64_t sb = 0; sb < K / 256; sb++) {
-            const __m256 d = _mm256_set1_ps(ws->sup[sb]);
-            for (int j = 0; j < per; j += 8) {
-                const __m128i b8 = _mm_loadl_epi64((const __m128i *)(ws->b + sb * per + j));
-                const __m256i v = sgn ? _mm256_cvtepi8_epi32(b8) : _mm256_cvtepu8_epi32(b8);
-                _mm256_storeu_ps(sr + j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
+    float buf[16];
+    for (int64_t kb = 0; kb < K;) { /* 8 blocks (256 weights) a chunk, their scales formed together */
+        const int64_t nblk = K - kb < 8 * QB ? (K - kb) / QB : 8;
+        const float *sr = chunk_scales(ws, kb >> gshift, (nblk * QB) >> gshift, sgn, buf);
+        for (int64_t u = 0; u < nblk; u++, kb += QB) {
+            if (u % 4 == 0) {
+                _mm_prefetch((const char *)(w + (kb * bits) / 8 + PF_AHEAD), _MM_HINT_T0);
+                if (bits == 8) _mm_prefetch((const char *)(w + kb + 64 + PF_AHEAD), _MM_HINT_T0);
             }
-            for (int u = 0; u < 8; u++, kb += QB) {
-                if (u % 4 == 0) {
-                    _mm_prefetch((const char *)(w + (kb * bits) / 8 + PF_AHEAD), _MM_HINT_T0);
-                    if (bits == 8) _mm_prefetch((const char *)(w + kb + 64 + PF_AHEAD), _MM_HINT_T0);
-                }
-                block_scaled(w, sr + u * (per / 8), x, K, kb, acc, mt, bits, sgn, g16);
-            }
+            block_scaled(w, sr + ((u * QB) >> gshift), x, K, kb, acc, mt, bits, sgn, g16);
         }
     }
-    for (; kb + 4 * QB <= K; kb += 4 * QB) {
-        _mm_prefetch((const char *)(w + (kb * bits) / 8 + PF_AHEAD), _MM_HINT_T0);
-        if (bits == 8) _mm_prefetch((const char *)(w + kb + 64 + PF_AHEAD), _MM_HINT_T0);
-        for (int u = 0; u < 4; u++)
-            block_scaled(w, ws->f + ((kb + u * QB) >> gshift), x, K, kb + u * QB, acc, mt, bits, sgn, g16);
-    }
-    for (; kb < K; kb += QB) block_scaled(w, ws->f + (kb >> gshift), x, K, kb, acc, mt, bits, sgn, g16);
     for (int m = 0; m < mt; m++) {
         float v = hsum(acc[m]);
         if (sc_some(wm)) v += mins_dot(wm, xg + m * ng, ng);
@@ -597,8 +637,10 @@ static void gemm_panels(const float *xf, int64_t M, int64_t K, const uint8_t *w,
                         const sc_t *scales, const sc_t *mins, const float *bias, const uint16_t *res, void *out,
                         int out_bf16, int64_t ldo, int64_t N) {
     const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2, wb = bits == 8 ? 1 : 2;
-    const int64_t sb = scales->f ? 4 : 1; /* bytes a scale (or min) as stored */
-    const void *sv = scales->f ? (const void *)scales->f : scales->b, *mv = mins->f ? (const void *)mins->f : mins->b;
+    const int64_t sb = scales->f ? 4 : scales->h ? 2 : 1; /* bytes a scale (or min) as stored */
+#define SC_BASE(s) ((s)->f ? (const void *)(s)->f : (s)->h ? (const void *)(s)->h : (const void *)(s)->b)
+    const void *sv = SC_BASE(scales), *mv = SC_BASE(mins);
+#undef SC_BASE
     const int gshift = G == 16 ? 4 : G == 32 ? 5 : G == 64 ? 6 : 7;
     const int64_t panels = (N + 15) / 16, chunks = (K + KC - 1) / KC;
     /* blocks of rows for the micro-kernel: 5 or 6 rows keep the FMA units busy, fewer wait on the FMA latency; so
@@ -638,11 +680,14 @@ static void gemm_panels(const float *xf, int64_t M, int64_t K, const uint8_t *w,
     }
 }
 
-/* the sc_t of scales (or mins) [N, K / G]: float32, or bytes (signed: sgn) times sup [N, K / 256] when sup is given */
-static sc_t sc_of(const void *v, const float *sup, int sgn, int64_t G) {
-    sc_t s = {NULL, NULL, NULL, sgn, 0};
-    if (!sup) {
-        s.f = (const float *)v;
+/* the sc_t of scales (or mins) v [N, K / G] in format fmt (SC_*): float32, float16, or bytes (signed: sgn) times
+ * sup [N, K / 256] */
+static sc_t sc_of(const void *v, const float *sup, int fmt, int sgn, int64_t G) {
+    sc_t s = {NULL, NULL, NULL, NULL, sgn, 0};
+    if (!v) return s;
+    if (fmt != SC_TWO_LEVEL) {
+        if (fmt == SC_F16) s.h = (const uint16_t *)v;
+        else s.f = (const float *)v;
         return s;
     }
     s.b = (const uint8_t *)v;
@@ -658,9 +703,9 @@ static sc_t sc_of(const void *v, const float *sup, int sgn, int64_t G) {
  * [M, ldo] when given. act_int8: x rounded to int8 per 32 and multiplied in integers (else float32, exact weights;
  * see above). */
 void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
-           const void *scales_v, const void *mins_v, const float *sup, const float *supm, const float *bias,
+           const void *scales_v, const void *mins_v, const float *sup, const float *supm, int sfmt, const float *bias,
            const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, int act_int8) {
-    const sc_t sc = sc_of(scales_v, sup, sgn, G), mn = sc_of(mins_v, mins_v ? supm : NULL, 0, G);
+    const sc_t sc = sc_of(scales_v, sup, sfmt, sgn, G), mn = sc_of(mins_v, supm, sfmt, 0, G);
     const sc_t *scales = &sc, *mins = sc_some(&mn) ? &mn : NULL;
     if (!act_int8) {
         const int small = M < PANEL_ROWS;
@@ -701,9 +746,10 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
  * product rounded before the min is added: the same weights the float32 path multiplies. */
 __attribute__((optimize("fp-contract=off"))) void qdequant(const uint8_t *w, int bits, int sgn, int64_t G,
                                                            const void *scales, const void *mins, const float *sup,
-                                                           const float *supm, int64_t N, int64_t K, float *out) {
+                                                           const float *supm, int sfmt, int64_t N, int64_t K,
+                                                           float *out) {
     const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2;
-    const sc_t sc = sc_of(scales, sup, sgn, G), mn = sc_of(mins, mins ? supm : NULL, 0, G);
+    const sc_t sc = sc_of(scales, sup, sfmt, sgn, G), mn = sc_of(mins, supm, sfmt, 0, G);
 #pragma omp parallel for schedule(static) if (N * K > 65536)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = w + n * row_bytes;

@@ -62,7 +62,12 @@ class QuantWeight:
     @property
     def layout(self) -> tuple[int, int, bool, bool]:
         """What two weights must share to be stored as one tensor."""
-        return (self.bits, self.group, self.signed, self.mins is not None, self.sup is not None)
+        return (self.bits, self.group, self.signed, self.mins is not None, self.scale_format)
+
+    @property
+    def scale_format(self) -> int:
+        """How scales and mins are stored, for the kernels: 0 float32, 1 float16, 2 two-level (bytes times sup)."""
+        return 2 if self.sup is not None else 1 if self.scales.dtype == torch.float16 else 0
 
     def nbytes(self) -> int:
         parts = (self.qweight, self.scales, self.mins, self.sup, self.supm)
@@ -158,9 +163,9 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
 
 
 def _two_level(sub: torch.Tensor, sup: torch.Tensor | None) -> torch.Tensor:
-    """float32 [N, K / group] from one-level float32 values, or bytes times a float32 per 256 weights."""
+    """float32 [N, K / group] from one-level float32 or float16 values, or bytes times a float32 per 256 weights."""
     if sup is None:
-        return sub
+        return sub.float()
     per = sub.shape[1] // sup.shape[1]
     return sup.repeat_interleave(per, dim=1) * sub.to(torch.float32)
 
@@ -194,10 +199,11 @@ def _weight(
         return None if a is None else torch.from_numpy(np.ascontiguousarray(a.reshape(n, -1), dtype=dtype))
 
     two = sup is not None
+    one = np.float16 if scales.dtype == np.float16 else np.float32  # one-level: float32, or float16 as stored
     return QuantWeight(
         qweight,
-        rows(scales, (np.int8 if signed else np.uint8) if two else np.float32),
-        rows(mins, np.uint8 if two else np.float32),
+        rows(scales, (np.int8 if signed else np.uint8) if two else one),
+        rows(mins, np.uint8 if two else one),
         bits,
         group,
         signed,
@@ -229,7 +235,12 @@ def quantize(weight: torch.Tensor, method: str, group: int = GROUP) -> QuantWeig
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+    return _h(b).astype(np.float32)
+
+
+def _h(b: np.ndarray) -> np.ndarray:
+    """float16 fields (2 bytes a row) as they are."""
+    return np.ascontiguousarray(b).view(np.float16)
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -243,12 +254,16 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def from_gguf(data: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | None:
     """A GGUF tensor's raw blocks (uint8 [n, bytes a row]) as a QuantWeight, or None for other formats."""
     b = data.reshape(-1, data.shape[-1] // (k // (256 if kind.endswith("_K") else 32)))
+    # Q8_0, Q4_0, Q4_1: scales (and mins) kept in float16, as stored; the kernels widen them exactly
     if kind == "Q8_0":  # d f16, 32 x int8
         q = np.ascontiguousarray(b[:, 2:]).view(np.int8).reshape(n, k)
-        return _weight(q, _f16(b[:, :2]), None, 8, 32, signed=True)
+        return _weight(q, _h(b[:, :2]), None, 8, 32, signed=True)
     if kind in ("Q4_0", "Q4_1"):  # d (, m) f16, 16 bytes of nibbles: byte j = q[j] | q[j + 16] << 4
-        d = _f16(b[:, :2])
-        mins = -8 * d if kind == "Q4_0" else _f16(b[:, 2:4])
+        d = _h(b[:, :2])
+        with np.errstate(over="ignore"):
+            mins = -8 * d if kind == "Q4_0" else _h(b[:, 2:4])  # -8 d: exact in float16 unless it overflows
+        if not np.isfinite(mins).all() and np.isfinite(d).all():
+            d, mins = d.astype(np.float32), -8 * d.astype(np.float32)
         qs = b[:, 2:] if kind == "Q4_0" else b[:, 4:]
         qweight = torch.from_numpy(np.ascontiguousarray(qs).reshape(n, k // 2))
         return QuantWeight(
