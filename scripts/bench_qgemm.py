@@ -15,7 +15,8 @@ cache after the first call. (On the 2-core AVX2 machine, 1B gate_up and down at 
 the run-to-run noise either way: int4 10-12 GB/s, int8 16-18, with 20-24 from the probe.) --flat adds, for the
 K-quants' two-level layouts (q4k, q5k, q6k), the same weights with their scales multiplied out into one float32
 per group (the layout they had before), and its time over the two-level one's (flat/q). A baseline revision gets
-its weights in that one-level form too (older kernels know no other).
+its weights in that one-level form too (older kernels know no other). For the K-quants, "auto" is qgemm as the
+server calls it by default (act=2: int8 activations per 256 at 1-5 rows), beside the float32 path ("quant").
 """
 
 from __future__ import annotations
@@ -83,13 +84,13 @@ class _OldSignature:
     def __init__(self, lib):
         self.lib = lib
 
-    def qgemm(self, x, w, out, bias=None, residual=None, act_int8=False):
+    def qgemm(self, x, w, out, bias=None, residual=None, act=0):
         w = flat(w)
         self.lib.qgemm(
             x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1], w.qweight.data_ptr(), w.bits,
             int(w.signed), w.group, w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
             None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
-            out.data_ptr(), int(out.dtype == torch.bfloat16), out.stride(0), w.out_features, int(act_int8),
+            out.data_ptr(), int(out.dtype == torch.bfloat16), out.stride(0), w.out_features, int(act == 1),
         )
 
 
@@ -109,6 +110,11 @@ def baseline_kernels(ref: str) -> kernels.NativeKernels:
     subprocess.run(["cc", *kernels.LINK_FLAGS, str(tmp / "q.o"), "-o", str(tmp / "q.so"), "-lm"], check=True)
     lib = ctypes.CDLL(str(tmp / "q.so"))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    if b"int sfmt" in src:  # scales in three formats: today's signature
+        lib.qgemm.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr]
+        lib.qgemm.argtypes += [ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, i64, i64, ctypes.c_int]
+        lib.qgemm.restype = None
+        return kernels.NativeKernels(lib)
     lib.qgemm.argtypes = [
         ptr,
         ctypes.c_int,
@@ -200,6 +206,7 @@ def main() -> None:
     head = f"{'model':5} {'proj':8} {'N':>6} {'K':>5} {'kind':4} {'M':>3} | {'bf16 ms':>8} {'GB/s':>5} | "
     head += f"{'quant ms':>8} {'GB/s':>5} | {'q/bf16':>6}"
     head += f" | {'int8 ms':>8} {'i8/q':>6}" if args.int8 else ""
+    head += f" | {'auto ms':>8} {'GB/s':>5} {'auto/q':>6}"
     head += f" | {'flat ms':>8} {'flat/q':>6}" if args.flat else ""
     head += f" | {'base ms':>8} {'GB/s':>5} {'new/base':>8}" if base else ""
     print(head + " | probe GB/s")
@@ -222,11 +229,14 @@ def main() -> None:
                         "quant": rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out)),
                     }
                     if args.int8:
-                        fns["int8"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act_int8=True))
+                        fns["int8"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act=1))
+                    if w.sup is not None:  # the default for the K-quants: int8 per 256 at a few rows
+                        fns["auto"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act=2))
                     if flats:
                         fns["flat"] = rotating(flats, lambda q, x=x, out=out: native.qgemm(x, q, out))
                     if base:
-                        fns["base"] = rotating(flats or ws, lambda q, x=x, out=out: base.qgemm(x, q, out))
+                        old = flats if flats and isinstance(base, _OldSignature) else ws
+                        fns["base"] = rotating(old, lambda q, x=x, out=out: base.qgemm(x, q, out))
                     times: dict[str, list[float]] = {name: [] for name in fns}
                     probes = []
                     for rep in range(args.reps):
@@ -245,6 +255,8 @@ def main() -> None:
                     line += f"{qbytes / med['quant'] / 1e9:5.1f} | {med['quant'] / med['bf16']:6.2f}"
                     if args.int8:
                         line += f" | {med['int8'] * 1e3:8.3f} {med['int8'] / med['quant']:6.2f}"
+                    a = med.get("auto")
+                    line += f" | {a * 1e3:8.3f} {qbytes / a / 1e9:5.1f} {a / med['quant']:6.2f}" if a else f" | {'':21}"
                     if args.flat:
                         f = med.get("flat")
                         line += f" | {f * 1e3:8.3f} {f / med['quant']:6.2f}" if f else f" | {'':8} {'':6}"

@@ -68,30 +68,50 @@ def test_every_gguf_format_decodes_exactly(kind):
 PANEL_ROWS = 6
 
 
+# qgemm's activation modes (quant.ACTIVATION_MODES)
+FLOAT32, INT8, AUTO = 0, 1, 2
+
+
+def _int8_block(w: QuantWeight, act: int, rows: int) -> int | None:
+    """The block over which a mode rounds activations to int8 for this weight and batch, or None (float32)."""
+    if act == INT8:
+        return 32
+    two_level_rows = act == AUTO and w.scale_format == 2 and rows < PANEL_ROWS and native_avx2()
+    return 256 if two_level_rows else None
+
+
+def native_avx2() -> bool:
+    """The K-quant int8 path exists in the AVX2 build only (the portable one takes float32)."""
+    return os.environ.get("WAFERSCALE_NATIVE_KERNELS") != "portable"
+
+
 def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
     for rows in (1, 3, 6, 9):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
         want = x @ dense.T
         y, one = torch.empty(rows, w.out_features), torch.empty(1, w.out_features)
-        for act_int8 in (False, True):
-            lib.qgemm(x, w, y, act_int8=act_int8)
-            # each row's result does not depend on the others in the batch (within one float32 path)
-            lib.qgemm(x[-1:].contiguous(), w, one, act_int8=act_int8)
-            if act_int8 or rows < PANEL_ROWS:
+        for act in (FLOAT32, INT8, AUTO):
+            block = _int8_block(w, act, rows)
+            lib.qgemm(x, w, y, act=act)
+            # each row's result does not depend on the others in the batch (within one path)
+            lib.qgemm(x[-1:].contiguous(), w, one, act=act)
+            alone_same_path = _int8_block(w, act, 1) == block  # auto: a K-quant's 6+ rows are float32, 1 is int8
+            if block or rows < PANEL_ROWS:
                 assert torch.equal(one[0], y[-1])
             else:
                 four = torch.empty(PANEL_ROWS, w.out_features)
-                lib.qgemm(x[-PANEL_ROWS:].contiguous(), w, four)
+                lib.qgemm(x[-PANEL_ROWS:].contiguous(), w, four, act=act)
                 assert torch.equal(four[-1], y[-1])
-                assert ((one[0] - y[-1]).norm() / y[-1].norm()) < 1e-5  # float32 sums in another order
-            if not act_int8:  # float32 activations: float32 rounding only
+                if alone_same_path:
+                    assert ((one[0] - y[-1]).norm() / y[-1].norm()) < 1e-5  # float32 sums in another order
+            if block is None:  # float32 activations: float32 rounding only
                 assert ((y - want).norm() / want.norm()) < 1e-5
                 continue
-            # activations rounded to int8 per block of 32 (step max|x| / 127): each product is off by at most half a
-            # step times |w|, the bound below (plus float32 rounding)
-            step = x.abs().view(rows, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(rows, -1) / 127
+            # activations rounded to int8 per block (step max|x| / 127 over the block): each product is off by at
+            # most half a step times |w|, the bound below (plus float32 rounding)
+            step = x.abs().view(rows, -1, block).amax(-1, keepdim=True).expand(-1, -1, block).reshape(rows, -1) / 127
             bound = (step / 2) @ dense.abs().T
-            assert ((y - want).abs() <= bound * 1.001 + 1e-5).all(), rows
+            assert ((y - want).abs() <= bound * 1.001 + 1e-5).all(), (rows, act)
             assert ((y - want).norm() / want.norm()) < 0.03
         lib.qgemm(x.bfloat16(), w, y)  # bf16 rows are read as they are
         torch.testing.assert_close(y, x.bfloat16().float() @ dense.T, rtol=1e-4, atol=1e-4)

@@ -177,11 +177,11 @@ class _Proj(ctypes.Structure):
         ("packed", ctypes.c_void_p),
         ("parts", ctypes.POINTER(_QPart)),
         ("nparts", ctypes.c_int64),
-        ("act_int8", ctypes.c_int64),
+        ("act", ctypes.c_int64),
     ]
 
 
-def _proj(weight, act_int8: bool) -> _Proj:
+def _proj(weight, act: int) -> _Proj:
     """The descriptor of a packed bf16 weight (a tensor) or of a QuantLinear's parts (a list of QuantWeight); it
     keeps its parts' array alive, and the caller the tensors."""
     if isinstance(weight, torch.Tensor):
@@ -203,14 +203,14 @@ def _proj(weight, act_int8: bool) -> _Proj:
             for p in weight
         ]
     )
-    return _Proj(None, parts, len(weight), int(act_int8))
+    return _Proj(None, parts, len(weight), act)
 
 
 @dataclass(frozen=True)
 class DecodeLayerWeights:
     """One decoder layer's weights as decode_layer reads them: bf16 norms; each projection packed bf16 (gate/up in
     pairs) or a QuantLinear's parts (a list of waferscale.models.quant.QuantWeight; gate/up: gate rows first); the
-    qkv bias in float32 (or None); act_int8: quantized projections round activations to int8 (as QuantLinear)."""
+    qkv bias in float32 (or None); act: how quantized projections take activations (as QuantLinear: quant.ACT_MODE)."""
 
     norm1: torch.Tensor
     qkv: torch.Tensor | list
@@ -221,12 +221,12 @@ class DecodeLayerWeights:
     inter: int
     down: torch.Tensor | list
     eps: float
-    act_int8: bool = False
+    act: int = 0
 
     @functools.cached_property
     def descriptors(self) -> tuple[_Proj, _Proj, _Proj, _Proj]:
         """The four projections' proj_t, built once."""
-        return tuple(_proj(w, self.act_int8) for w in (self.qkv, self.o, self.gate_up, self.down))
+        return tuple(_proj(w, self.act) for w in (self.qkv, self.o, self.gate_up, self.down))
 
 
 class NativeKernels:
@@ -450,12 +450,13 @@ class NativeKernels:
         out: torch.Tensor,
         bias: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
-        act_int8: bool = False,
+        act: int = 0,
     ) -> None:
         """out = x W^T (+ bias) (+ residual) for W a waferscale.models.quant.QuantWeight [n, K]: x float32 or bf16
         [M, K] contiguous; out a float32 or bf16 [M, n] view with unit column stride (columns of a wider output);
         bias float32 [n]; residual bf16, laid out as out (bf16 out only: rounded as torch's ops would round).
-        act_int8: round x to int8 per 32 and multiply in integers (else weights widened to float32, x as it is)."""
+        act: 0 float32 (weights widened to float32, x as it is), 1 int8 (x rounded to int8 per 32, integer products),
+        2 auto (int8 per 256 for the K-quants' two-level layouts at 1-5 rows, else float32; see quant.ACT_MODE)."""
         m, k = x.shape
         if k != w.in_features or out.shape != (m, w.out_features) or out.stride(1) != 1:
             raise ValueError(f"qgemm: x {tuple(x.shape)}, weight {w.shape}, out {tuple(out.shape)} do not match")
@@ -481,7 +482,7 @@ class NativeKernels:
             int(out.dtype == torch.bfloat16),
             out.stride(0),
             w.out_features,
-            int(act_int8),
+            int(act),
         )
 
     def qdequant(self, w, rows: slice = slice(None)) -> torch.Tensor:

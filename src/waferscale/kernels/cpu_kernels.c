@@ -385,11 +385,11 @@ void decode_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
 /* quant_kernels.c's GEMM over quantized weights */
 void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
            const void *scales, const void *mins, const float *sup, const float *supm, int sfmt, const float *bias,
-           const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, int act_int8);
+           const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, int act);
 
 /* One of a layer's projections for decode_layer: bf16 weights packed as for the GEMMs above (packed; gate/up in
  * pairs of panels), or else quantized parts stacked along N (quant_kernels.c's layouts: models/quant.py's
- * QuantWeight), multiplied by qgemm as QuantLinear calls it (act_int8 as it passes). */
+ * QuantWeight), multiplied by qgemm as QuantLinear calls it (act as it passes). */
 typedef struct {
     const uint8_t *w;
     const void *scales, *mins;
@@ -399,7 +399,7 @@ typedef struct {
 typedef struct {
     const uint16_t *packed;
     const qpart_t *parts;
-    int64_t nparts, act_int8;
+    int64_t nparts, act;
 } proj_t;
 
 /* y [M, N] = x W^T (+ bias) (+ res, which may be y itself), bf16, or float32 (y_bf16 = 0, quantized parts only) */
@@ -413,7 +413,7 @@ static void proj_run(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, i
         const qpart_t *q = p->parts + i;
         void *yc = y_bf16 ? (void *)((uint16_t *)y + col) : (void *)((float *)y + col);
         qgemm(x, 1, M, K, q->w, (int)q->bits, (int)q->sgn, q->group, q->scales, q->mins, q->sup, q->supm,
-              (int)q->sfmt, bias ? bias + col : NULL, res ? res + col : NULL, yc, y_bf16, N, q->rows, (int)p->act_int8);
+              (int)q->sfmt, bias ? bias + col : NULL, res ? res + col : NULL, yc, y_bf16, N, q->rows, (int)p->act);
     }
 }
 

@@ -2,10 +2,11 @@
  *
  * Two layouts cover every GGUF format we serve, losslessly:
  *   int8: one byte per weight, signed (Q8_0, Q6_K, --quantization int8) or unsigned 0..127 (Q5_K's 5-bit values),
- *         a float32 scale per group of G = 16, 32 or 64 weights along K, and optionally a float32 min per group;
+ *         a scale per group of G = 16, 32 or 64 weights along K, and optionally a min per group;
  *   int4: two weights per byte (each 32-weight block: 16 bytes, byte j holding weight j in its low nibble and
  *         weight j + 16 in its high one, as GGUF's Q4_0/Q4_1 do), unsigned 0..15, a scale and a min per group.
- * A weight is scale * q + min. Two ways to multiply (qgemm's act_int8):
+ * Scales and mins are float32, float16 (Q8_0, Q4_0, Q4_1 as GGUF stores them) or two-level (the K-quants: sc_t).
+ * A weight is scale * q + min. Three ways to multiply (qgemm's act: ACT_*):
  *   float32 activations (the default): x as it is (bf16 widened), two paths by batch size (see below): for a few
  *       rows, weights widened to float32 q in registers, each block's sum scaled once; for PANEL_ROWS rows or more,
  *       weights dequantized exactly into L1-sized float32 panels once per call and register-blocked micro-kernels
@@ -14,6 +15,8 @@
  *       activations), so a block's dot product is exact in 32-bit integers (maddubs + madd on AVX2, dpbusd with
  *       VNNI), then scaled once in float32; the mins meet the float32 sum of x over their group. Every row's result
  *       depends only on that row, never on the batch.
+ *   auto (the default): the K-quants' two-level layouts at a few rows with activations rounded to int8 per 256 and
+ *       integer sums over each super-block (gemm_k, as llama.cpp multiplies them); float32 for everything else.
  * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
  */
 #include <math.h>
@@ -73,6 +76,9 @@ static inline float f16_f32(uint16_t h) {
  * where it is used: the float32 value the one-level array would hold (an f16 times a 6- or 8-bit integer is exact
  * in float32), with fewer bytes to read. */
 enum { SC_F32 = 0, SC_F16 = 1, SC_TWO_LEVEL = 2 };
+/* qgemm's activations (act): float32 (exact weights), int8 per 32 (every layout, every batch), or auto: int8
+ * per 256 for the K-quants' few-row products (as llama.cpp), float32 for the rest */
+enum { ACT_FLOAT32 = 0, ACT_INT8 = 1, ACT_AUTO = 2 };
 typedef struct {
     const float *f;
     const uint16_t *h;
@@ -236,7 +242,7 @@ static inline void row_dots(const uint8_t *w, const sc_t *ws, int gshift, int64_
 #endif
 
 
-/* act_int8: out_m = x_m . w for every input row against one weight row, MT input rows a pass (the weight row stays
+/* ACT_INT8: out_m = x_m . w for every input row against one weight row, MT input rows a pass (the weight row stays
  * in L1 between passes); the mins meet the rows' float32 sums over their groups. y: row stride ldy. */
 static inline __attribute__((always_inline)) void weight_row_int8(const uint8_t *w, const sc_t *ws, const sc_t *wm,
                                                                   int gshift, int64_t ng, int64_t nb,
@@ -696,18 +702,168 @@ static sc_t sc_of(const void *v, const float *sup, int fmt, int sgn, int64_t G) 
     return s;
 }
 
+/* ---------------------------------------------------------------- K-quants, a few rows: int8 activations per 256
+ *
+ * For the two-level layouts (Q4_K, Q5_K, Q6_K) at a few rows (decoding), as llama.cpp multiplies them: each input
+ * row is rounded to int8 with one scale per 256 values (a super-block: max|x| / 127, llama.cpp's Q8_K), so a whole
+ * super-block sums in 32-bit integers: per 32-block, maddubs of the weight bytes (unsigned, or |w| with x's signs
+ * moved over) and x's, then madd with the block's integer scale (two for G = 16); the super-block's sum is turned
+ * to float32 once and scaled by sup * x's scale. The mins meet the integer sums of x's rounded values over their
+ * groups. About a third of the instructions a weight of the float32 path's, so a few rows stream the weights at
+ * memory speed instead of being bound by the widening. Every row's result depends only on that row.
+ * No overflow: |w| <= 32 (Q6_K), <= 31 (Q5_K), <= 15 (Q4_K), |x| <= 127, so maddubs' pair sums stay within int16
+ * (<= 8128), and the super-block's integer sum within 2^31 (scales <= 127). */
+#ifdef WQ_AVX2
+#define KS 256
+
+/* rows of x [M, K] -> int8 xq [M, K], one scale a 256 xd [M, K / 256], and per 32 the sums of xq, xb [M, K / 32] */
+static void quantize_rows_k(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *xd, int32_t *xb) {
+    for (int64_t m = 0; m < M; m++) {
+        float row[KS];
+        for (int64_t s0 = 0; s0 < K; s0 += KS) {
+            const float *xm = (const float *)x + m * K + s0;
+            if (x_bf16) {
+                for (int i = 0; i < KS; i++) row[i] = bf16_f32(((const uint16_t *)x)[m * K + s0 + i]);
+                xm = row;
+            }
+            float amax = 0.f;
+            for (int i = 0; i < KS; i++) amax = fmaxf(amax, fabsf(xm[i]));
+            const float id = amax > 0.f ? 127.f / amax : 0.f;
+            xd[m * (K / KS) + s0 / KS] = amax / 127.f;
+            for (int b = 0; b < KS / QB; b++) {
+                int32_t sum = 0;
+                for (int i = 0; i < QB; i++) {
+                    const int8_t q = (int8_t)lrintf(xm[b * QB + i] * id);
+                    xq[m * K + s0 + b * QB + i] = q;
+                    sum += q;
+                }
+                xb[m * (K / QB) + s0 / QB + b] = sum;
+            }
+        }
+    }
+}
+
+/* sums[m] = x_m . w for one weight row (two-level scales ws, mins wm) and mt (1..4) input rows */
+static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const sc_t *ws, const sc_t *wm,
+                                                        const int8_t *xq, const float *xd, const int32_t *xb,
+                                                        int64_t K, float sums[4], const int mt, const int bits,
+                                                        const int sgn, const int g16) {
+    __m256 acc[4];
+    float mins[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const int per = g16 ? 16 : 8; /* groups a super-block */
+    for (int64_t sb = 0; sb < K / KS; sb++) {
+        const int64_t k0 = sb * KS;
+        for (int o = 0; o < KS * bits / 8; o += 64) _mm_prefetch((const char *)(w + (k0 * bits) / 8 + o + PF_AHEAD), _MM_HINT_T0);
+        __m256i isum[4];
+        for (int m = 0; m < mt; m++) isum[m] = _mm256_setzero_si256();
+        const uint8_t *scb = ws->b + sb * per;
+        for (int j = 0; j < KS / QB; j++) {
+            const int64_t kb = k0 + j * QB;
+            __m256i wv;
+            if (bits == 8) {
+                wv = _mm256_loadu_si256((const __m256i *)(w + kb));
+            } else {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(w + kb / 2));
+                wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+            }
+            const __m256i wu = sgn ? _mm256_sign_epi8(wv, wv) : wv;
+            const __m256i sc = g16 ? _mm256_set_m128i(_mm_set1_epi16((int8_t)scb[2 * j + 1]),
+                                                      _mm_set1_epi16((int8_t)scb[2 * j]))
+                                   : _mm256_set1_epi16(sgn ? (int16_t)(int8_t)scb[j] : (int16_t)scb[j]);
+            for (int m = 0; m < mt; m++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + kb));
+                if (sgn) xv = _mm256_sign_epi8(xv, wv);
+                isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), sc));
+            }
+        }
+        const float d = ws->sup[sb];
+        for (int m = 0; m < mt; m++) {
+            const float dx = xd[m * (K / KS) + sb];
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * dx), acc[m]);
+            if (wm->b) {
+                const uint8_t *mb = wm->b + sb * 8;
+                const int32_t *gb = xb + m * (K / QB) + sb * 8;
+                int32_t t = 0;
+                for (int j = 0; j < 8; j++) t += (int32_t)mb[j] * gb[j];
+                mins[m] += wm->sup[sb] * dx * (float)t;
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++) sums[m] = hsum(acc[m]) + mins[m];
+}
+
+#define KROWS_FN(B, S, G16)                                                                                       \
+    static __attribute__((noinline)) void krows_##B##_##S##_##G16(                                                 \
+        const int8_t *xq, const float *xd, const int32_t *xb, int64_t M, int64_t K, const uint8_t *w,            \
+        int64_t row_bytes, const sc_t *ws, const sc_t *wm, int64_t ng, int64_t n0, int64_t n1, const float *bias, \
+        const uint16_t *res, void *out, int out_bf16, int64_t ldo) {                                              \
+        for (int64_t n = n0; n < n1; n++)                                                                         \
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                               \
+                const int64_t mt = M - m0 < 4 ? M - m0 : 4;                                                       \
+                const sc_t sr = sc_row(*ws, n, ng), mr = sc_row(*wm, n, ng);                                      \
+                const uint8_t *wn = w + n * row_bytes;                                                            \
+                const int8_t *xm = xq + m0 * K;                                                                   \
+                const float *dm = xd + m0 * (K / KS);                                                             \
+                const int32_t *bm = xb + m0 * (K / QB);                                                           \
+                float sums[4];                                                                                    \
+                if (mt == 4) row_k(wn, &sr, &mr, xm, dm, bm, K, sums, 4, B, S, G16);                              \
+                else if (mt == 3) row_k(wn, &sr, &mr, xm, dm, bm, K, sums, 3, B, S, G16);                         \
+                else if (mt == 2) row_k(wn, &sr, &mr, xm, dm, bm, K, sums, 2, B, S, G16);                         \
+                else row_k(wn, &sr, &mr, xm, dm, bm, K, sums, 1, B, S, G16);                                      \
+                for (int64_t i = 0; i < mt; i++) put(sums[i], m0 + i, n, bias, res, out, out_bf16, ldo);          \
+            }                                                                                                     \
+    }
+KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0)
+
+/* the two-level layouts this path serves: Q4_K (4, unsigned, G 32), Q6_K (8, signed, G 16), Q5_K (8, unsigned, 32) */
+static int gemm_k_serves(int bits, int sgn, int64_t G, int sfmt, int64_t K) {
+    if (sfmt != SC_TWO_LEVEL || K % KS) return 0;
+    return (bits == 4 && !sgn && G == 32) || (bits == 8 && sgn && G == 16) || (bits == 8 && !sgn && G == 32);
+}
+
+static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
+                   const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out, int out_bf16,
+                   int64_t ldo, int64_t N) {
+    const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2, groups = (N + 3) / 4;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xd = (float *)malloc((size_t)(M * (K / KS)) * sizeof(float));
+    int32_t *xb = (int32_t *)malloc((size_t)(M * (K / QB)) * sizeof(int32_t));
+    quantize_rows_k(x, x_bf16, M, K, xq, xd, xb);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = 4 * g, n1 = n0 + 4 < N ? n0 + 4 : N;
+#define KROWS(B, S, G16) krows_##B##_##S##_##G16(xq, xd, xb, M, K, w, row_bytes, ws, wm, ng, n0, n1, bias, res, out, \
+                                                 out_bf16, ldo)
+        if (bits == 4) KROWS(4, 0, 0);
+        else if (sgn) KROWS(8, 1, 1);
+        else KROWS(8, 0, 0);
+#undef KROWS
+    }
+    free(xq);
+    free(xd);
+    free(xb);
+}
+#endif
+
 /* out[m, n] (row stride ldo) = sum_k x[m, k] * W[n, k] (+ bias[n]) for W [N, K] in one of the layouts above: bits
  * 8 (sgn: signed values) or 4; scales and mins (or NULL) [N, K / G], float32, or (K-quants, sup / supm given) bytes,
  * the scales' signed as the weights, the mins' unsigned, times sup / supm [N, K / 256]. x: float32 or bf16
  * (x_bf16) [M, K]; K a multiple of 32 and of G. out: float32, or bf16 (out_bf16), plus the bf16 residual res
- * [M, ldo] when given. act_int8: x rounded to int8 per 32 and multiplied in integers (else float32, exact weights;
- * see above). */
+ * [M, ldo] when given. act: how x is multiplied (ACT_*, see above). */
 void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
            const void *scales_v, const void *mins_v, const float *sup, const float *supm, int sfmt, const float *bias,
-           const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, int act_int8) {
+           const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, int act) {
     const sc_t sc = sc_of(scales_v, sup, sfmt, sgn, G), mn = sc_of(mins_v, supm, sfmt, 0, G);
     const sc_t *scales = &sc, *mins = sc_some(&mn) ? &mn : NULL;
-    if (!act_int8) {
+#ifdef WQ_AVX2
+    if (act == ACT_AUTO && M < PANEL_ROWS && gemm_k_serves(bits, sgn, G, sfmt, K)) {
+        gemm_k(x, x_bf16, M, K, w, bits, sgn, G, scales, &mn, bias, res, out, out_bf16, ldo, N);
+        return;
+    }
+#endif
+    if (act != ACT_INT8) {
         const int small = M < PANEL_ROWS;
         float *xf = x_bf16 ? (float *)malloc((size_t)(M * K) * sizeof(float)) : NULL;
         float *xg = small && mins ? (float *)malloc((size_t)(M * (K / G)) * sizeof(float)) : NULL;

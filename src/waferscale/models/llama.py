@@ -11,7 +11,7 @@ from torch import nn
 
 from waferscale.kernels import DecodeLayerWeights, pack_bf16, pack_bf16_pairs
 from waferscale.models.config import ModelConfig
-from waferscale.models.quant import ACT_INT8, QuantEmbedding, QuantLinear, QuantWeight, cat_rows
+from waferscale.models.quant import ACT_MODE, QuantEmbedding, QuantLinear, QuantWeight, cat_rows
 
 _UPCAST_ROWS = 64  # without float32 copies, batches this large are still worth upcasting on the fly
 _F32_COPY_ROWS = 4  # with float32 copies, batches from this size use them
@@ -406,7 +406,7 @@ class LlamaForCausalLM(nn.Module):
             inter=mlp.inter,
             down=down,
             eps=layer.input_layernorm.eps,
-            act_int8=ACT_INT8,
+            act=ACT_MODE,
         )
 
     @torch.inference_mode()

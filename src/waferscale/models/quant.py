@@ -28,10 +28,17 @@ GROUP = 32  # --quantization int8/int4 group size along K
 # rows and 6 or more take different paths (quant_kernels.c): a row's result is the same in any batch on one path,
 # and differs in the last bits between them
 _DEQUANT_TILE = 1 << 21
-# activations multiply the widened weights in float32 by default: rounding them to int8 per 32 (llama.cpp's way,
-# integer dot products) moved the built-in model's next-token log-probabilities by 0.08 nats on average, four times
-# the accuracy bar for int8 weights (scripts/quant_accuracy.py); WAFERSCALE_QUANT_ACTIVATIONS=int8 turns it on
-ACT_INT8 = os.environ.get("WAFERSCALE_QUANT_ACTIVATIONS", "float32") == "int8"
+# How the kernels take activations (qgemm's act): float32 multiplies the exact weights, widened; int8 rounds every
+# row to int8 per 32 (llama.cpp's Q8_0 activations: on the built-in model's Q4_1 blocks it moved next-token
+# log-probabilities by 0.08 nats, four times the accuracy bar for int8 weights, scripts/quant_accuracy.py); auto
+# (the default) rounds to int8 per 256 only for the K-quants (Q4_K, Q5_K, Q6_K) at 1-5 rows, as llama.cpp does,
+# where the float32 path is bound by widening the weights, and keeps float32 for everything else (Q8_0 and
+# --quantization int8 included). WAFERSCALE_QUANT_ACTIVATIONS=float32|int8|auto chooses.
+ACTIVATION_MODES = {"float32": 0, "int8": 1, "auto": 2}
+_act_name = os.environ.get("WAFERSCALE_QUANT_ACTIVATIONS", "auto")
+if _act_name not in ACTIVATION_MODES:
+    raise ValueError(f"WAFERSCALE_QUANT_ACTIVATIONS={_act_name!r}: choose one of {', '.join(ACTIVATION_MODES)}")
+ACT_MODE = ACTIVATION_MODES[_act_name]
 
 
 @dataclass
@@ -331,7 +338,7 @@ class QuantLinear(nn.Module):
             cols = slice(col, col + p.out_features)
             bias = None if self.bias is None else self.bias[cols]
             res = None if residual is None else residual[:, cols]
-            self.native.qgemm(x, p, out[:, cols], bias, res, act_int8=ACT_INT8)
+            self.native.qgemm(x, p, out[:, cols], bias, res, act=ACT_MODE)
             col += p.out_features
         return out
 
