@@ -1,6 +1,7 @@
 """Accuracy of quantized weights against float32, on the built-in SmolLM2-135M-Instruct (or --model).
 
-Usage: .venv/bin/python scripts/quant_accuracy.py [--model PATH] [--tokens 32]
+Usage: .venv/bin/python scripts/quant_accuracy.py [--model PATH] [--tokens 32] [--prompts 8]
+                                                  [--activations float32,auto] [--stepwise]
 
 The reference is today's exact path: the model's weights dequantized to float32, float32 activations. For each
 fixed prompt, the reference's greedy continuation is fed to every variant (teacher forcing, one forward each), and
@@ -11,6 +12,10 @@ reading: every token's error counts, whatever its sign), the mean KL divergence,
 
 Variants: the GGUF's own blocks (Q4_1 and Q8_0 for the built-in model) served by the integer kernels; int8 and int4
 quantized from the float32 weights; each with float32 and with bfloat16 activations (the server's default).
+--activations names the kernels' activation modes to measure the GGUF blocks with (quant.ACTIVATION_MODES; default:
+the server's, auto). --stepwise runs the variants one token a forward, so that every product has one row, as
+decoding multiplies them (auto's int8 activations for the K-quants apply only there; a whole-sequence forward
+takes the float32 panels); the reference stays one forward.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from waferscale.engine.kv_cache import KVPool, prefill_batch
-from waferscale.models import builtin_model_path, load_model
+from waferscale.engine.kv_cache import KVPool, PagedBatch, prefill_batch
+from waferscale.models import builtin_model_path, load_model, quant
 from waferscale.models.loader import _converted_gguf
 
 PROMPTS = [
@@ -54,6 +59,19 @@ def logprobs(loaded, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(loaded.model.logits(hidden).float(), dim=-1)
 
 
+def logprobs_stepwise(loaded, ids: list[int]) -> torch.Tensor:
+    """As logprobs, but one token a forward (each a one-token chunk of the prompt): decode-sized products."""
+    cfg = loaded.config
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, len(ids) // 16 + 2, 16)
+    table = torch.arange(1, 1 + -(-len(ids) // pool.block_size))
+    rows = []
+    for i, tok in enumerate(ids):
+        batch = PagedBatch(pool, torch.tensor([i + pool.block_size]), prefills=[(0, 1, table, i, i + 1)])
+        hidden = loaded.model(torch.tensor([tok]), torch.tensor([i]), batch)
+        rows.append(torch.log_softmax(loaded.model.logits(hidden).float(), dim=-1))
+    return torch.cat(rows)
+
+
 def greedy_continuation(loaded, ids: list[int], n: int) -> list[int]:
     out = list(ids)
     for _ in range(n):
@@ -66,17 +84,24 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="a GGUF file (default: the built-in model)")
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
+    ap.add_argument("--activations", default="auto", help="activation modes for the GGUF blocks: float32,int8,auto")
+    ap.add_argument("--stepwise", action="store_true", help="variants one token a forward (decode-sized products)")
     args = ap.parse_args()
+    modes = args.activations.split(",")
+    default_mode = quant.ACT_MODE
     src = args.model or builtin_model_path()
     ref = load_model(src, dtype="float32", progress=False)
     assert ref.quantization == "none"
     float_folder = _converted_gguf(src, "float32", progress=False)  # the dequantized weights, as a folder
-    variants = {}
+    variants = {}  # name: (model, activation mode)
     for dtype in ("float32", "bfloat16"):
-        variants[f"GGUF blocks, {dtype}"] = load_model(src, dtype=dtype, quantization="int8", progress=False)
+        blocks = load_model(src, dtype=dtype, quantization="int8", progress=False)
+        for mode in modes:
+            variants[f"GGUF blocks, {dtype}, {mode} activations"] = (blocks, quant.ACTIVATION_MODES[mode])
         for method in ("int8", "int4"):
-            variants[f"{method} (g32), {dtype}"] = load_model(
-                float_folder, dtype=dtype, quantization=method, progress=False
+            variants[f"{method} (g32), {dtype}"] = (
+                load_model(float_folder, dtype=dtype, quantization=method, progress=False),
+                default_mode,
             )
     prompts = PROMPTS[: args.prompts]
     sequences = [greedy_continuation(ref, ref.tokenizer.encode(p), args.tokens) for p in prompts]
@@ -90,18 +115,20 @@ def main() -> None:
 
     print(
         f"model: {src.name}; {len(prompts)} prompts x {args.tokens} greedy tokens of the float32 reference; "
-        f"perplexity over {len(text_ids)} tokens"
+        f"perplexity over {len(text_ids)} tokens; variants {'one token a forward' if args.stepwise else 'one forward'}"
     )
+    forward = logprobs_stepwise if args.stepwise else logprobs
     print(f"float32 reference perplexity: {ppl(ref_text):.3f}\n")
     print(
         "| variant | greedy agreement | mean logprob diff (nats) | mean abs logprob diff (nats) | mean KL (nats) "
         "| perplexity |"
     )
     print("|---|---:|---:|---:|---:|---:|")
-    for name, loaded in variants.items():
+    for name, (loaded, mode) in variants.items():
+        quant.ACT_MODE = mode  # QuantLinear reads it at each call
         agree, diffs, kls = [], [], []
         for seq, start, rlp in zip(sequences, starts, ref_lp):
-            lp = logprobs(loaded, seq)
+            lp = forward(loaded, seq)
             pos = slice(start - 1, len(seq) - 1)
             targets = torch.tensor(seq[start:])[:, None]
             agree.append((lp[pos].argmax(-1) == rlp[pos].argmax(-1)).float())
@@ -111,7 +138,7 @@ def main() -> None:
         d = torch.cat(diffs)
         print(
             f"| {name} | {a:.1%} | {d.mean().item():+.4f} | {d.abs().mean().item():.4f} | {k:.4f} "
-            f"| {ppl(logprobs(loaded, text_ids)):.3f} |"
+            f"| {ppl(forward(loaded, text_ids)):.3f} |"
         )
         sys.stdout.flush()
 

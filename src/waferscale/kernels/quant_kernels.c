@@ -716,8 +716,11 @@ static sc_t sc_of(const void *v, const float *sup, int fmt, int sgn, int64_t G) 
 #ifdef WQ_AVX2
 #define KS 256
 
-/* rows of x [M, K] -> int8 xq [M, K], one scale a 256 xd [M, K / 256], and per 32 the sums of xq, xb [M, K / 32] */
-static void quantize_rows_k(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *xd, int32_t *xb) {
+/* rows of x [M, K] -> int8 xq [M, K], one scale a 256 xd [M, K / 256], and per 32 the sums of xq, xb [M, K / 32].
+ * nibbles: each pair of 32-blocks (A, B) laid out as A 0-15, B 0-15, A 16-31, B 16-31, the order in which a 32-byte
+ * load of the two blocks' nibbles gives their weights (low nibbles, then high ones). */
+static void quantize_rows_k(const void *x, int x_bf16, int64_t M, int64_t K, int nibbles, int8_t *xq, float *xd,
+                            int32_t *xb) {
     for (int64_t m = 0; m < M; m++) {
         float row[KS];
         for (int64_t s0 = 0; s0 < K; s0 += KS) {
@@ -734,7 +737,9 @@ static void quantize_rows_k(const void *x, int x_bf16, int64_t M, int64_t K, int
                 int32_t sum = 0;
                 for (int i = 0; i < QB; i++) {
                     const int8_t q = (int8_t)lrintf(xm[b * QB + i] * id);
-                    xq[m * K + s0 + b * QB + i] = q;
+                    /* nibbles: block b = 2p + h, value i at 64 p + 32 (i >= 16) + 16 h + i % 16 */
+                    const int at = nibbles ? 64 * (b / 2) + 32 * (i >= 16) + 16 * (b % 2) + i % 16 : b * QB + i;
+                    xq[m * K + s0 + at] = q;
                     sum += q;
                 }
                 xb[m * (K / QB) + s0 / QB + b] = sum;
@@ -743,7 +748,15 @@ static void quantize_rows_k(const void *x, int x_bf16, int64_t M, int64_t K, int
     }
 }
 
-/* sums[m] = x_m . w for one weight row (two-level scales ws, mins wm) and mt (1..4) input rows */
+/* shuffle control: int16 scale 2p of a vector in every int16 of the low lane, 2p + 1 in the high lane */
+static inline __m256i pair_scale_shuffle(int p) {
+    const __m128i a = _mm_set1_epi16((int16_t)(0x0100 + 0x0202 * (2 * p)));
+    const __m128i b = _mm_set1_epi16((int16_t)(0x0100 + 0x0202 * (2 * p + 1)));
+    return _mm256_set_m128i(b, a);
+}
+
+/* sums[m] = x_m . w for one weight row (two-level scales ws, mins wm) and mt (1..4) input rows; bits 4: x as
+ * quantize_rows_k lays it out for nibbles */
 static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const sc_t *ws, const sc_t *wm,
                                                         const int8_t *xq, const float *xd, const int32_t *xb,
                                                         int64_t K, float sums[4], const int mt, const int bits,
@@ -758,24 +771,39 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
         for (int o = 0; o < KS * bits / 8; o += 64) _mm_prefetch((const char *)(w + (k0 * bits) / 8 + o + PF_AHEAD), _MM_HINT_T0);
         __m256i isum[4];
         for (int m = 0; m < mt; m++) isum[m] = _mm256_setzero_si256();
+        /* the super-block's integer scales as int16, in both 128-bit lanes (16 for G = 16: two vectors); a block's
+         * scale vector is one byte shuffle of them */
         const uint8_t *scb = ws->b + sb * per;
-        for (int j = 0; j < KS / QB; j++) {
-            const int64_t kb = k0 + j * QB;
-            __m256i wv;
-            if (bits == 8) {
-                wv = _mm256_loadu_si256((const __m256i *)(w + kb));
-            } else {
-                const __m128i raw = _mm_loadu_si128((const __m128i *)(w + kb / 2));
-                wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+        const __m128i s8 = g16 ? _mm_loadu_si128((const __m128i *)scb) : _mm_loadl_epi64((const __m128i *)scb);
+        const __m256i slo = _mm256_broadcastsi128_si256(sgn ? _mm_cvtepi8_epi16(s8) : _mm_cvtepu8_epi16(s8));
+        const __m256i shi = g16 ? _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(s8, 8))) : slo;
+        if (bits == 4) { /* a pair of blocks (A, B) a step: one 32-byte load, x laid out to match (quantize_rows_k) */
+            for (int p = 0; p < 4; p++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + k0 / 2 + 32 * p));
+                const __m256i lo = _mm256_and_si256(raw, low4);                        /* A 0-15, B 0-15 */
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4); /* A 16-31, B 16-31 */
+                const __m256i sc = _mm256_shuffle_epi8(slo, pair_scale_shuffle(p));    /* A's lanes | B's */
+                for (int m = 0; m < mt; m++) {
+                    const int8_t *xp = xq + m * K + k0 + 64 * p;
+                    const __m256i a = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xp));
+                    const __m256i b = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 32)));
+                    isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(a, sc),
+                                                                         _mm256_madd_epi16(b, sc)));
+                }
             }
-            const __m256i wu = sgn ? _mm256_sign_epi8(wv, wv) : wv;
-            const __m256i sc = g16 ? _mm256_set_m128i(_mm_set1_epi16((int8_t)scb[2 * j + 1]),
-                                                      _mm_set1_epi16((int8_t)scb[2 * j]))
-                                   : _mm256_set1_epi16(sgn ? (int16_t)(int8_t)scb[j] : (int16_t)scb[j]);
-            for (int m = 0; m < mt; m++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + kb));
-                if (sgn) xv = _mm256_sign_epi8(xv, wv);
-                isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), sc));
+        } else {
+            for (int j = 0; j < KS / QB; j++) {
+                const int64_t kb = k0 + j * QB;
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + kb));
+                const __m256i wu = sgn ? _mm256_sign_epi8(wv, wv) : wv;
+                /* G = 16: the block's two scales, one a lane; G = 32: its one scale in both */
+                const __m256i sc = g16 ? _mm256_shuffle_epi8(j < 4 ? slo : shi, pair_scale_shuffle(j & 3))
+                                       : _mm256_shuffle_epi8(slo, _mm256_set1_epi16((int16_t)(0x0100 + 0x0202 * j)));
+                for (int m = 0; m < mt; m++) {
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + kb));
+                    if (sgn) xv = _mm256_sign_epi8(xv, wv);
+                    isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), sc));
+                }
             }
         }
         const float d = ws->sup[sb];
@@ -830,7 +858,7 @@ static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xd = (float *)malloc((size_t)(M * (K / KS)) * sizeof(float));
     int32_t *xb = (int32_t *)malloc((size_t)(M * (K / QB)) * sizeof(int32_t));
-    quantize_rows_k(x, x_bf16, M, K, xq, xd, xb);
+    quantize_rows_k(x, x_bf16, M, K, bits == 4, xq, xd, xb);
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n0 = 4 * g, n1 = n0 + 4 < N ? n0 + 4 : N;
