@@ -15,8 +15,9 @@ cache after the first call. (On the 2-core AVX2 machine, 1B gate_up and down at 
 the run-to-run noise either way: int4 10-12 GB/s, int8 16-18, with 20-24 from the probe.) --flat adds, for the
 K-quants' two-level layouts (q4k, q5k, q6k), the same weights with their scales multiplied out into one float32
 per group (the layout they had before), and its time over the two-level one's (flat/q). A baseline revision gets
-its weights in that one-level form too (older kernels know no other). For the K-quants, "auto" is qgemm as the
-server calls it by default (act=2: int8 activations per 256 at 1-5 rows), beside the float32 path ("quant").
+its weights in that one-level form too (older kernels know no other). For the K-quants and 8-bit blocks, "auto" is
+qgemm as the server calls it by default (act=2: at 1-5 rows int8 activations, per 256 for the K-quants, per 32
+for 8-bit blocks), beside the float32 path ("quant").
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ def main() -> None:
                     }
                     if args.int8:
                         fns["int8"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act=1))
-                    if w.sup is not None:  # the default for the K-quants: int8 per 256 at a few rows
+                    if w.sup is not None or kind == "q8":  # the default: int8 activations at a few rows
                         fns["auto"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act=2))
                     if flats:
                         fns["flat"] = rotating(flats, lambda q, x=x, out=out: native.qgemm(x, q, out))

@@ -76,8 +76,12 @@ def _int8_block(w: QuantWeight, act: int, rows: int) -> int | None:
     """The block over which a mode rounds activations to int8 for this weight and batch, or None (float32)."""
     if act == INT8:
         return 32
-    two_level_rows = act == AUTO and w.scale_format == 2 and rows < PANEL_ROWS and native_avx2()
-    return 256 if two_level_rows else None
+    if act != AUTO or rows >= PANEL_ROWS or not native_avx2():
+        return None
+    if w.scale_format == 2:  # the K-quants: per 256, integer sums over each super-block
+        return 256
+    eight_bit = w.bits == 8 and w.signed and w.group == 32 and w.mins is None  # Q8_0, --quantization int8
+    return 32 if eight_bit else None
 
 
 def native_avx2() -> bool:

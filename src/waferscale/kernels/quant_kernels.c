@@ -873,6 +873,75 @@ static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
     free(xd);
     free(xb);
 }
+
+/* 8-bit blocks (Q8_0, --quantization int8: signed, G = 32, no mins) at a few rows, activations int8 per 32 as
+ * llama.cpp multiplies Q8_0 by Q8_0: per block an integer dot product (dpbusd with VNNI, maddubs + madd without),
+ * turned to float32 and scaled by the weight's and x's scales, formed for 8 blocks at a time. */
+static inline __attribute__((always_inline)) void row_q8(const uint8_t *w, const sc_t *ws, const int8_t *xq,
+                                                         const float *xs, int64_t K, float sums[4], const int mt) {
+    const int64_t nb = K / QB;
+    __m256 acc[4];
+    float cs[4][8], wbuf[16];
+    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nb; c += 8) {
+        const int64_t nblk = nb - c < 8 ? nb - c : 8;
+        const float *wsc = chunk_scales(ws, c, nblk, 1, wbuf);
+        for (int m = 0; m < mt; m++)
+            for (int64_t j = 0; j < nblk; j++) cs[m][j] = wsc[j] * xs[m * nb + c + j];
+        for (int64_t j = 0; j < nblk; j++) {
+            const int64_t kb = (c + j) * QB;
+            if (j % 2 == 0) _mm_prefetch((const char *)(w + kb + PF_AHEAD), _MM_HINT_T0);
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + kb));
+            const __m256i wu = _mm256_sign_epi8(wv, wv);
+            for (int m = 0; m < mt; m++) {
+                const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + m * K + kb)), wv);
+                const __m256 p = _mm256_cvtepi32_ps(DOT_U8S8(wu, xv));
+                acc[m] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&cs[m][j]), acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++) sums[m] = hsum(acc[m]);
+}
+
+static __attribute__((noinline)) void q8rows(const int8_t *xq, const float *xs, int64_t M, int64_t K,
+                                             const uint8_t *w, const sc_t *ws, int64_t n0, int64_t n1,
+                                             const float *bias, const uint16_t *res, void *out, int out_bf16,
+                                             int64_t ldo) {
+    const int64_t nb = K / QB;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mt = M - m0 < 4 ? M - m0 : 4;
+            const sc_t sr = sc_row(*ws, n, nb);
+            const uint8_t *wn = w + n * K;
+            const int8_t *xm = xq + m0 * K;
+            const float *sm = xs + m0 * nb;
+            float sums[4];
+            if (mt == 4) row_q8(wn, &sr, xm, sm, K, sums, 4);
+            else if (mt == 3) row_q8(wn, &sr, xm, sm, K, sums, 3);
+            else if (mt == 2) row_q8(wn, &sr, xm, sm, K, sums, 2);
+            else row_q8(wn, &sr, xm, sm, K, sums, 1);
+            for (int64_t i = 0; i < mt; i++) put(sums[i], m0 + i, n, bias, res, out, out_bf16, ldo);
+        }
+}
+
+static int gemm_q8_serves(int bits, int sgn, int64_t G, int sfmt, const void *mins) {
+    return bits == 8 && sgn && G == QB && sfmt != SC_TWO_LEVEL && !mins;
+}
+
+static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const sc_t *ws,
+                    const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+    const int64_t groups = (N + 3) / 4;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xs = (float *)malloc((size_t)(M * (K / QB)) * sizeof(float));
+    quantize_rows(x, x_bf16, M, K, QB, xq, xs, NULL, NULL);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = 4 * g, n1 = n0 + 4 < N ? n0 + 4 : N;
+        q8rows(xq, xs, M, K, w, ws, n0, n1, bias, res, out, out_bf16, ldo);
+    }
+    free(xq);
+    free(xs);
+}
 #endif
 
 /* out[m, n] (row stride ldo) = sum_k x[m, k] * W[n, k] (+ bias[n]) for W [N, K] in one of the layouts above: bits
@@ -888,6 +957,10 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
 #ifdef WQ_AVX2
     if (act == ACT_AUTO && M < PANEL_ROWS && gemm_k_serves(bits, sgn, G, sfmt, K)) {
         gemm_k(x, x_bf16, M, K, w, bits, sgn, G, scales, &mn, bias, res, out, out_bf16, ldo, N);
+        return;
+    }
+    if (act == ACT_AUTO && M < PANEL_ROWS && gemm_q8_serves(bits, sgn, G, sfmt, mins_v)) {
+        gemm_q8(x, x_bf16, M, K, w, scales, bias, res, out, out_bf16, ldo, N);
         return;
     }
 #endif
