@@ -63,6 +63,19 @@ def test_every_gguf_format_decodes_exactly(kind):
         assert torch.equal(native.qdequant(w, slice(5, 9)), want[5:9])
 
 
+# bytes a weight of our layouts: Q8_0/Q4_0/Q4_1 keep their float16 scales (and mins), the K-quants their two levels
+# (a byte per group, a float32 per 256 weights); values take a byte, or a nibble for the 4-bit formats
+BYTES_A_WEIGHT = {"Q8_0": 1.0625, "Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.59375, "Q5_K": 1.09375, "Q6_K": 1.078125}
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_gguf_blocks_keep_their_scales_as_stored(kind):
+    n, k = 8, 512
+    w = from_gguf(random_blocks(kind, n, k), kind, n, k)
+    assert w.nbytes() == BYTES_A_WEIGHT[kind] * n * k
+    assert w.scale_format == (2 if kind.endswith("_K") else 1)  # two-level, or float16
+
+
 # batches of at least this many rows take the float32 path's dequantized panels (quant_kernels.c's PANEL_ROWS), fewer
 # the row-by-row kernel: each is batch-invariant, the two sum in different orders
 PANEL_ROWS = 6
