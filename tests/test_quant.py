@@ -193,6 +193,12 @@ def test_quantizers_are_close_to_the_weights():
         quantize(torch.randn(4, 48), "int8")
 
 
+def test_int4_takes_q4k_two_levels_where_k_is_a_multiple_of_256():
+    assert quantize(torch.randn(8, 512), "int4").scale_format == 2  # bytes per 32 times a float32 per 256
+    assert quantize(torch.randn(8, 512), "int4").nbytes() == 0.59375 * 8 * 512
+    assert quantize(torch.randn(8, 96), "int4").scale_format == 0  # float32 scale and min per 32
+
+
 @needs_native
 def test_portable_path_gives_the_same_answers(tmp_path):
     """WAFERSCALE_NATIVE_KERNELS=portable builds the plain-C paths (as on a CPU without AVX2) and they agree."""
