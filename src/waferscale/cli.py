@@ -36,8 +36,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "own blocks, other weights as they are (a Hugging Face folder: as none; with --dtype float32: everything "
         "dequantized, the exact path); on the built-in model faster than none single stream and batched, with "
         "a quarter less memory. none: every weight dequantized to --dtype (2 bytes a weight in bf16). int8: float "
-        "weights quantized once at load (cached), 1.125 bytes a weight, close to bf16 in accuracy. int4: 0.75 "
-        "bytes a weight, the smallest and fastest single stream, less accurate. Pick int4 (or a Q4_K_M GGUF) when "
+        "weights quantized once at load (cached), 1.125 bytes a weight, close to bf16 in accuracy. int4: 0.59 "
+        "bytes a weight (Q4_K's two levels), the smallest and fastest single stream, less accurate. Pick int4 (or a Q4_K_M GGUF) when "
         "the model would not fit in memory as bf16. Figures: README, docs/quantization.md",
     )
     p.add_argument(
