@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -38,6 +39,12 @@ QUICK = {
 OURS_BPW = {"Q8_0": 1.0625, "Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.59375, "Q5_K": 1.09375, "Q6_K": 1.078125}
 # --quantization: int8 a float32 scale per 32; int4 Q4_K's two levels (the 1B and 8B shapes' K are multiples of 256)
 METHOD_BPW = {"none": 2.0, "int8": 1.125, "int4": 0.59375}
+
+
+def median_of(values: list) -> float | None:
+    """The median of the values that are not None (None if there are none)."""
+    known = sorted(v for v in values if v is not None)
+    return None if not known else statistics.median(known)
 
 
 def gguf_bytes(path: Path, ours: bool) -> int:
@@ -199,46 +206,58 @@ def main() -> None:
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "waferscale-bench")
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the servers this many times, in --servers' order each round (interleaved: the machine's speed "
+        "drifts over minutes); the table gives medians and each round's single tok/s",
+    )
     args = ap.parse_args()
     cache = args.cache_dir.expanduser()
     log_dir = cache / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     runs = plan(args, cache)
     if args.servers:
-        keep = set(args.servers.split(","))
-        runs = [r for r in runs if r[1].key in keep]
+        order = args.servers.split(",")
+        runs = sorted((r for r in runs if r[1].key in order), key=lambda r: order.index(r[1].key))
     scenarios = {k: v for k, v in (QUICK if args.quick else SCENARIOS).items() if k in args.scenarios.split(",")}
     bw = base.memory_bandwidth()
     print(f"memory read bandwidth {bw:.1f} GB/s; load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
-    rows = []
-    for model, server, nbytes in runs:
+    for _, server, _ in runs:
         server.scenarios = tuple(k for k in server.scenarios if k in scenarios)
-        try:
-            r = base.run_server(server, scenarios, log_dir, 0)
-        except RuntimeError as exc:
-            print(f"  {server.label} failed: {str(exc).splitlines()[0]}", file=sys.stderr)
-            rows.append((model, server, nbytes, None))
-            continue
-        rows.append((model, server, nbytes, r))
-        f = base.figures(r, None)
-        print(
-            f"  {model} {server.label}: single {base.fmt(f['single_tok_s'])} tok/s, c=32 "
-            f"{base.fmt(f['c32_tok_s'])} tok/s, peak RSS {base.fmt((peak_rss(r) or 0) / 2**20, 0)} MiB",
-            file=sys.stderr,
-            flush=True,
-        )
+    results: dict[str, list[dict]] = {server.key: [] for _, server, _ in runs}
+    for _ in range(args.rounds):
+        for model, server, _ in runs:
+            try:
+                r = base.run_server(server, scenarios, log_dir, 0)
+            except RuntimeError as exc:
+                print(f"  {server.label} failed: {str(exc).splitlines()[0]}", file=sys.stderr)
+                continue
+            results[server.key].append(r)
+            f = base.figures(r, None)
+            print(
+                f"  {model} {server.label}: single {base.fmt(f['single_tok_s'])} tok/s, c=32 "
+                f"{base.fmt(f['c32_tok_s'])} tok/s, peak RSS {base.fmt((peak_rss(r) or 0) / 2**20, 0)} MiB",
+                file=sys.stderr,
+                flush=True,
+            )
+    rows = [(model, server, nbytes, results[server.key]) for model, server, nbytes in runs]
+    per_round = args.rounds > 1
     print(
         "| model | server | single tok/s | bound tok/s (bytes/token) | % of bound | c=32 tok/s | peak RSS MiB "
-        "| other cores |"
+        "| other cores |" + (" single, each round |" if per_round else "")
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|" + ("---|" if per_round else ""))
     dump = []
-    for model, server, nbytes, r in rows:
-        if r is None:
-            print(f"| {model} | {server.label} | failed | | | | | |")
+    for model, server, nbytes, rs in rows:
+        if not rs:
+            print(f"| {model} | {server.label} | failed | | | | | |" + (" |" if per_round else ""))
             continue
-        f = base.figures(r, None)
-        rss = peak_rss(r)
+        each = [base.figures(r, None) for r in rs]
+        f = {k: median_of([e[k] for e in each]) for k in each[0]}  # medians over the rounds
+        r = rs[-1]
+        rss = max((peak_rss(x) or 0 for x in rs), default=0) or None
         bound = bw * 1e9 / nbytes if nbytes else None
         pct = 100 * f["single_tok_s"] / bound if bound and f["single_tok_s"] else None
         cells = [
@@ -249,8 +268,10 @@ def main() -> None:
             base.fmt(pct, 0),
             base.fmt(f["c32_tok_s"]),
             base.fmt(rss / 2**20 if rss else None, 0),
-            f"{r['other_cores']:.2f}",
+            f"{max(x['other_cores'] for x in rs):.2f}",
         ]
+        if per_round:
+            cells.append(" / ".join(base.fmt(e["single_tok_s"]) for e in each))
         print("| " + " | ".join(cells) + " |")
         dump.append(
             {"model": model, "key": server.key, "argv": r["argv"], "figures": f, "rss": rss, "bound": bound}
