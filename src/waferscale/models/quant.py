@@ -255,11 +255,11 @@ def _int4_two_level(w: torch.Tensor) -> QuantWeight:
         return torch.round(v / torch.where(unit == 0, 1, unit).unsqueeze(-1)).clamp(0, 63).to(torch.uint8)
 
     sc, m = six_bits(scale, d).view(n, -1), six_bits(depth, dmin).view(n, -1)
-    tw = QuantWeight(torch.empty(0), sc, m, 4, 32, False, d.contiguous(), (-dmin).contiguous())
-    s_eff, min_eff = tw.scale_values(), tw.min_values()  # float32, as the kernels form them
+    sup, supm = d.contiguous(), (-dmin).contiguous()
+    s_eff, min_eff = _two_level(sc, sup), _two_level(m, supm)  # float32, as the kernels form them
     q = torch.round((w - min_eff.unsqueeze(-1)) / torch.where(s_eff == 0, 1, s_eff).unsqueeze(-1)).clamp(0, 15)
     packed = _pack_nibbles(q.to(torch.uint8).view(n, -1).numpy())
-    return QuantWeight(torch.from_numpy(packed), sc, m, 4, 32, False, d.contiguous(), (-dmin).contiguous())
+    return QuantWeight(torch.from_numpy(packed), sc, m, 4, 32, False, sup, supm)
 
 
 # ---------------------------------------------------------------- GGUF blocks -> our layouts
