@@ -15,8 +15,9 @@
  *       activations), so a block's dot product is exact in 32-bit integers (maddubs + madd on AVX2, dpbusd with
  *       VNNI), then scaled once in float32; the mins meet the float32 sum of x over their group. Every row's result
  *       depends only on that row, never on the batch.
- *   auto (the default): the K-quants' two-level layouts at a few rows with activations rounded to int8 per 256 and
- *       integer sums over each super-block (gemm_k, as llama.cpp multiplies them); float32 for everything else.
+ *   auto (the default): at a few rows, the two-level layouts (K-quants, int4) with activations rounded to int8 per
+ *       256 and integer sums over each super-block (gemm_k), and 8-bit blocks (Q8_0, int8) with activations rounded
+ *       per 32 (gemm_q8), as llama.cpp multiplies them; float32 for everything else (Q4_0, Q4_1, 6+ rows).
  * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
  */
 #include <math.h>
@@ -76,8 +77,8 @@ static inline float f16_f32(uint16_t h) {
  * where it is used: the float32 value the one-level array would hold (an f16 times a 6- or 8-bit integer is exact
  * in float32), with fewer bytes to read. */
 enum { SC_F32 = 0, SC_F16 = 1, SC_TWO_LEVEL = 2 };
-/* qgemm's activations (act): float32 (exact weights), int8 per 32 (every layout, every batch), or auto: int8
- * per 256 for the K-quants' few-row products (as llama.cpp), float32 for the rest */
+/* qgemm's activations (act): float32 (exact weights), int8 per 32 (every layout, every batch), or auto (see the
+ * top of this file: gemm_k and gemm_q8 at a few rows, float32 for the rest) */
 enum { ACT_FLOAT32 = 0, ACT_INT8 = 1, ACT_AUTO = 2 };
 typedef struct {
     const float *f;
@@ -205,8 +206,9 @@ static inline __attribute__((always_inline)) void row_dots(const uint8_t *w, con
             wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
         }
         const __m256i wu = sgn ? _mm256_sign_epi8(wv, wv) : wv;
-        const __m256 wsc = gshift == 4 ? _mm256_set_m128(_mm_set1_ps(sc_at(ws, 2 * b + 1)), _mm_set1_ps(sc_at(ws, 2 * b)))
-                                       : _mm256_set1_ps(sc_at(ws, (b * QB) >> gshift));
+        const __m256 wsc = gshift == 4
+                               ? _mm256_set_m128(_mm_set1_ps(sc_at(ws, 2 * b + 1)), _mm_set1_ps(sc_at(ws, 2 * b)))
+                               : _mm256_set1_ps(sc_at(ws, (b * QB) >> gshift));
         for (int m = 0; m < mt; m++) {
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * QB));
             if (sgn) xv = _mm256_sign_epi8(xv, wv);
@@ -768,7 +770,8 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
     const int per = g16 ? 16 : 8; /* groups a super-block */
     for (int64_t sb = 0; sb < K / KS; sb++) {
         const int64_t k0 = sb * KS;
-        for (int o = 0; o < KS * bits / 8; o += 64) _mm_prefetch((const char *)(w + (k0 * bits) / 8 + o + PF_AHEAD), _MM_HINT_T0);
+        for (int o = 0; o < KS * bits / 8; o += 64)
+            _mm_prefetch((const char *)(w + (k0 * bits) / 8 + o + PF_AHEAD), _MM_HINT_T0);
         __m256i isum[4];
         for (int m = 0; m < mt; m++) isum[m] = _mm256_setzero_si256();
         /* the super-block's integer scales as int16, in both 128-bit lanes (16 for G = 16: two vectors); a block's
@@ -945,10 +948,10 @@ static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
 #endif
 
 /* out[m, n] (row stride ldo) = sum_k x[m, k] * W[n, k] (+ bias[n]) for W [N, K] in one of the layouts above: bits
- * 8 (sgn: signed values) or 4; scales and mins (or NULL) [N, K / G], float32, or (K-quants, sup / supm given) bytes,
- * the scales' signed as the weights, the mins' unsigned, times sup / supm [N, K / 256]. x: float32 or bf16
- * (x_bf16) [M, K]; K a multiple of 32 and of G. out: float32, or bf16 (out_bf16), plus the bf16 residual res
- * [M, ldo] when given. act: how x is multiplied (ACT_*, see above). */
+ * 8 (sgn: signed values) or 4; scales and mins (or NULL) [N, K / G] in format sfmt (SC_*): float32, float16, or
+ * two-level: bytes (the scales' signed as the weights, the mins' unsigned) times sup / supm [N, K / 256]. x:
+ * float32 or bf16 (x_bf16) [M, K]; K a multiple of 32 and of G. out: float32, or bf16 (out_bf16), plus the bf16
+ * residual res [M, ldo] when given. act: how x is multiplied (ACT_*, see above). */
 void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
            const void *scales_v, const void *mins_v, const float *sup, const float *supm, int sfmt, const float *bias,
            const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, int act) {

@@ -4,11 +4,12 @@ linear and embedding modules that serve from them (kernels/quant_kernels.c), wit
 A weight [N, K] is scale * q + min per group of `group` weights along K:
   int8: q one signed byte (Q8_0, Q6_K, --quantization int8) or one unsigned byte 0..127 (Q5_K's 5-bit values);
   int4: q one nibble 0..15, two a byte (Q4_0, Q4_1, Q4_K, --quantization int4).
-Scales and mins are float32 [N, K / group]; mins may be absent (symmetric). GGUF's K-quants keep their two levels:
-scales (and mins) as bytes [N, K / group] times a float32 per 256 weights (sup, supm [N, K / 256]), which the
-kernels multiply where they use them (the same float32 product: an f16 times a 6- or 8-bit integer is exact), so
-a Q4_K weight costs 0.59 bytes instead of 0.75. Every GGUF value decodes to exactly what gguf.quants.dequantize
-gives.
+Scales and mins are [N, K / group] in one of three formats (QuantWeight.scale_format); mins may be absent
+(symmetric): float32 (--quantization int8, and int4 where K is not a multiple of 256); float16 as Q8_0, Q4_0 and
+Q4_1 store them; or two levels as GGUF's K-quants store them (and int4 where K allows): bytes [N, K / group] times a
+float32 per 256 weights (sup, supm [N, K / 256]). The kernels widen or multiply them out where they use them (the
+same float32 value: an f16 times a 6- or 8-bit integer is exact), so a Q4_K weight costs 0.59 bytes instead of
+0.75. Every GGUF value decodes to exactly what gguf.quants.dequantize gives.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ _DEQUANT_TILE = 1 << 21
 # How the kernels take activations (qgemm's act): float32 multiplies the exact weights, widened; int8 rounds every
 # row to int8 per 32 (llama.cpp's Q8_0 activations: on the built-in model's Q4_1 blocks it moved next-token
 # log-probabilities by 0.08 nats, four times the accuracy bar for int8 weights, scripts/quant_accuracy.py); auto
-# (the default) rounds to int8 per 256 only for the K-quants (Q4_K, Q5_K, Q6_K) at 1-5 rows, as llama.cpp does,
-# where the float32 path is bound by widening the weights, and keeps float32 for everything else (Q8_0 and
-# --quantization int8 included). WAFERSCALE_QUANT_ACTIVATIONS=float32|int8|auto chooses.
+# (the default) rounds them at 1-5 rows, as llama.cpp does, where the float32 path is bound by widening the weights:
+# per 256 for the two-level layouts (Q4_K, Q5_K, Q6_K, int4), per 32 for 8-bit blocks (Q8_0, int8: within the 0.02
+# nats bar); float32 for Q4_0, Q4_1 and 6+ rows. WAFERSCALE_QUANT_ACTIVATIONS=float32|int8|auto chooses.
 ACTIVATION_MODES = {"float32": 0, "int8": 1, "auto": 2}
 _act_name = os.environ.get("WAFERSCALE_QUANT_ACTIVATIONS", "auto")
 if _act_name not in ACTIVATION_MODES:
@@ -67,7 +68,7 @@ class QuantWeight:
         return (self.out_features, self.in_features)
 
     @property
-    def layout(self) -> tuple[int, int, bool, bool]:
+    def layout(self) -> tuple[int, int, bool, bool, int]:
         """What two weights must share to be stored as one tensor."""
         return (self.bits, self.group, self.signed, self.mins is not None, self.scale_format)
 
