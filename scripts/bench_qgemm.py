@@ -2,7 +2,8 @@
 (cpu_kernels.c's gemm_bf16_packed) on the same shapes, in the same run, with a memory-bandwidth probe beside them.
 
 Usage: .venv/bin/python scripts/bench_qgemm.py [--model 135m,1b] [--rows 1,32] [--kinds q4,q8] [--reps 7]
-                                               [--threads N] [--baseline REF] [--stream MB] [--int8] [--flat]
+                                               [--threads N] [--baseline REF] [--baseline-act auto] [--stream MB]
+                                               [--int8] [--flat]
 Each shape is a decoder projection (y = x W^T, bf16 rows in, bf16 out, as decoding calls it). Calls of every
 variant are interleaved, round after round, and the medians reported: on a shared machine only ratios measured
 together mean much. GB/s is the weight bytes read per call (bf16: 2 a weight; quantized: blocks, scales and mins)
@@ -16,8 +17,9 @@ the run-to-run noise either way: int4 10-12 GB/s, int8 16-18, with 20-24 from th
 K-quants' two-level layouts (q4k, q5k, q6k), the same weights with their scales multiplied out into one float32
 per group (the layout they had before), and its time over the two-level one's (flat/q). A baseline revision gets
 its weights in that one-level form too (older kernels know no other). For the K-quants and 8-bit blocks, "auto" is
-qgemm as the server calls it by default (act=2: at 1-5 rows int8 activations, per 256 for the K-quants, per 32
-for 8-bit blocks), beside the float32 path ("quant").
+qgemm as the server calls it by default (act=2: int8 activations, per 256 for the K-quants below 16 rows, per 32
+for 8-bit blocks below 12), beside the float32 path ("quant"). --baseline-act auto times the baseline revision
+that way too, and new/base is then auto's time over the baseline's.
 """
 
 from __future__ import annotations
@@ -192,6 +194,12 @@ def main() -> None:
     ap.add_argument(
         "--baseline", default="", help="also time qgemm from quant_kernels.c at this git revision"
     )
+    ap.add_argument(
+        "--baseline-act",
+        choices=["float32", "auto"],
+        default="float32",
+        help="the baseline's activations (auto: a revision with act modes, as the server calls it)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)  # the kernels share torch's OpenMP runtime and its setting
@@ -199,6 +207,7 @@ def main() -> None:
     if native is None:
         sys.exit("native kernels unavailable")
     base = baseline_kernels(args.baseline) if args.baseline else None
+    base_act = 2 if args.baseline_act == "auto" else 0
     gen = torch.Generator().manual_seed(0)
     print(
         f"threads {torch.get_num_threads()}; columns: ms a call ({args.stat} of {args.reps} interleaved rounds), GB/s "
@@ -231,13 +240,13 @@ def main() -> None:
                     }
                     if args.int8:
                         fns["int8"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act=1))
-                    if w.sup is not None or kind == "q8":  # the default: int8 activations at a few rows
+                    if w.sup is not None or kind == "q8":  # the default: int8 activations below 16 or 12 rows
                         fns["auto"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act=2))
                     if flats:
                         fns["flat"] = rotating(flats, lambda q, x=x, out=out: native.qgemm(x, q, out))
                     if base:
                         old = flats if flats and isinstance(base, _OldSignature) else ws
-                        fns["base"] = rotating(old, lambda q, x=x, out=out: base.qgemm(x, q, out))
+                        fns["base"] = rotating(old, lambda q, x=x, out=out: base.qgemm(x, q, out, act=base_act))
                     times: dict[str, list[float]] = {name: [] for name in fns}
                     probes = []
                     for rep in range(args.reps):
@@ -263,7 +272,8 @@ def main() -> None:
                         line += f" | {f * 1e3:8.3f} {f / med['quant']:6.2f}" if f else f" | {'':8} {'':6}"
                     if base:
                         line += f" | {med['base'] * 1e3:8.3f} {qbytes / med['base'] / 1e9:5.1f} "
-                        line += f"{med['quant'] / med['base']:8.2f}"
+                        new = med["auto"] if base_act == 2 and "auto" in med else med["quant"]
+                        line += f"{new / med['base']:8.2f}"
                     print(line + f" | {statistics.median(probes):5.1f}", flush=True)
 
 

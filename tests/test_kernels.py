@@ -308,7 +308,7 @@ def whole_layer_against_modules(model, cfg, lengths: torch.Tensor) -> None:
     tables = torch.arange(1, 1 + rows * width).view(rows, width)
     last = lengths - 1
     slots = tables[torch.arange(rows), last // block_size] * block_size + last % block_size
-    ids = torch.tensor([42, 7, 1000, 31, 5, 77, 300, 12, 9])[:rows]
+    ids = torch.tensor([42, 7, 1000, 31, 5, 77, 300, 12, 9, 64, 3, 2000, 15, 8, 450, 21, 6])[:rows]
     results = []
     for whole in (True, False):
         torch.manual_seed(5)  # the same earlier keys and values in both pools

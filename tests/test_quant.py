@@ -79,6 +79,9 @@ def test_gguf_blocks_keep_their_scales_as_stored(kind):
 # batches of at least this many rows take the float32 path's dequantized panels (quant_kernels.c's PANEL_ROWS), fewer
 # the row-by-row kernel: each is batch-invariant, the two sum in different orders
 PANEL_ROWS = 6
+# auto rounds activations to int8 below these batch sizes (INT8_ROWS_K for two-level layouts, INT8_ROWS_Q8 for
+# 8-bit blocks), and takes the float32 paths from them on
+INT8_ROWS_K, INT8_ROWS_Q8 = 16, 12
 
 
 # qgemm's activation modes (quant.ACTIVATION_MODES)
@@ -89,12 +92,12 @@ def _int8_block(w: QuantWeight, act: int, rows: int) -> int | None:
     """The block over which a mode rounds activations to int8 for this weight and batch, or None (float32)."""
     if act == INT8:
         return 32
-    if act != AUTO or rows >= PANEL_ROWS or not native_avx2():
+    if act != AUTO or not native_avx2():
         return None
-    if w.scale_format == 2:  # the K-quants: per 256, integer sums over each super-block
-        return 256
+    if w.scale_format == 2 and w.in_features % 256 == 0:  # the K-quants: per 256, integer sums over each super-block
+        return 256 if rows < INT8_ROWS_K else None
     eight_bit = w.bits == 8 and w.signed and w.group == 32 and w.mins is None  # Q8_0, --quantization int8
-    return 32 if eight_bit else None
+    return 32 if eight_bit and rows < INT8_ROWS_Q8 else None
 
 
 def native_avx2() -> bool:
@@ -103,7 +106,7 @@ def native_avx2() -> bool:
 
 
 def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
-    for rows in (1, 3, 6, 9):
+    for rows in (1, 3, 6, 9, 13, 17):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
         want = x @ dense.T
         y, one = torch.empty(rows, w.out_features), torch.empty(1, w.out_features)
@@ -112,13 +115,14 @@ def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
             lib.qgemm(x, w, y, act=act)
             # each row's result does not depend on the others in the batch (within one path)
             lib.qgemm(x[-1:].contiguous(), w, one, act=act)
-            alone_same_path = _int8_block(w, act, 1) == block  # auto: a K-quant's 6+ rows are float32, 1 is int8
+            alone_same_path = _int8_block(w, act, 1) == block  # auto: 17 rows are float32, 1 is int8
             if block or rows < PANEL_ROWS:
                 assert torch.equal(one[0], y[-1])
-            else:
-                four = torch.empty(PANEL_ROWS, w.out_features)
-                lib.qgemm(x[-PANEL_ROWS:].contiguous(), w, four, act=act)
-                assert torch.equal(four[-1], y[-1])
+            else:  # the panels: the fewest rows that take them too
+                fewer = next(n for n in range(PANEL_ROWS, rows + 1) if _int8_block(w, act, n) is None)
+                part = torch.empty(fewer, w.out_features)
+                lib.qgemm(x[-fewer:].contiguous(), w, part, act=act)
+                assert torch.equal(part[-1], y[-1])
                 if alone_same_path:
                     assert ((one[0] - y[-1]).norm() / y[-1].norm()) < 1e-5  # float32 sums in another order
             if block is None:  # float32 activations: float32 rounding only
@@ -339,14 +343,14 @@ def tiny_k_quants(tmp_path_factory):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [2, 7])  # the row-by-row kernel, and the panels
+@pytest.mark.parametrize("rows", [2, 7, 17])  # the K-quants' integer path at 2 and 7 rows; the float32 panels at 17
 def test_whole_layer_decode_call_matches_the_quantized_modules_bit_for_bit(tiny_k_quants, rows):
     """Quantized projections run in the one-call decode layer too, bit for bit as the modules."""
     from test_kernels import whole_layer_against_modules
 
     loaded = tiny_k_quants
     assert isinstance(loaded.model.decode_layers[0].qkv, list)
-    lengths = torch.tensor([1, 16, 17, 90, 3, 40, 8])[:rows]
+    lengths = torch.tensor([1, 16, 17, 90, 3, 40, 8, 5, 2, 33, 64, 7, 11, 1, 20, 9, 12])[:rows]
     whole_layer_against_modules(loaded.model, loaded.config, lengths)
 
 

@@ -456,8 +456,8 @@ class NativeKernels:
         [M, K] contiguous; out a float32 or bf16 [M, n] view with unit column stride (columns of a wider output);
         bias float32 [n]; residual bf16, laid out as out (bf16 out only: rounded as torch's ops would round).
         act: 0 float32 (weights widened to float32, x as it is), 1 int8 (x rounded to int8 per 32, integer products),
-        2 auto (at 1-5 rows int8 per 256 for two-level layouts, per 32 for 8-bit blocks, else float32; see
-        quant.ACT_MODE)."""
+        2 auto (int8 per 256 for two-level layouts below 16 rows, per 32 for 8-bit blocks below 12, else float32;
+        see quant.ACT_MODE)."""
         m, k = x.shape
         if k != w.in_features or out.shape != (m, w.out_features) or out.stride(1) != 1:
             raise ValueError(f"qgemm: x {tuple(x.shape)}, weight {w.shape}, out {tuple(out.shape)} do not match")

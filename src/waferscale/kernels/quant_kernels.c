@@ -15,9 +15,10 @@
  *       activations), so a block's dot product is exact in 32-bit integers (maddubs + madd on AVX2, dpbusd with
  *       VNNI), then scaled once in float32; the mins meet the float32 sum of x over their group. Every row's result
  *       depends only on that row, never on the batch.
- *   auto (the default): at a few rows, the two-level layouts (K-quants, int4) with activations rounded to int8 per
- *       256 and integer sums over each super-block (gemm_k), and 8-bit blocks (Q8_0, int8) with activations rounded
- *       per 32 (gemm_q8), as llama.cpp multiplies them; float32 for everything else (Q4_0, Q4_1, 6+ rows).
+ *   auto (the default): below INT8_ROWS_K rows (16) the two-level layouts (K-quants, int4) with activations rounded
+ *       to int8 per 256 and integer sums over each super-block (gemm_k), and below INT8_ROWS_Q8 (12) 8-bit blocks
+ *       (Q8_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp multiplies them; float32 for
+ *       everything else (Q4_0, Q4_1, larger batches).
  * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
  */
 #include <math.h>
@@ -78,7 +79,7 @@ static inline float f16_f32(uint16_t h) {
  * in float32), with fewer bytes to read. */
 enum { SC_F32 = 0, SC_F16 = 1, SC_TWO_LEVEL = 2 };
 /* qgemm's activations (act): float32 (exact weights), int8 per 32 (every layout, every batch), or auto (see the
- * top of this file: gemm_k and gemm_q8 at a few rows, float32 for the rest) */
+ * top of this file: gemm_k and gemm_q8 below 16 and 12 rows, float32 for the rest) */
 enum { ACT_FLOAT32 = 0, ACT_INT8 = 1, ACT_AUTO = 2 };
 typedef struct {
     const float *f;
@@ -704,9 +705,9 @@ static sc_t sc_of(const void *v, const float *sup, int fmt, int sgn, int64_t G) 
     return s;
 }
 
-/* ---------------------------------------------------------------- K-quants, a few rows: int8 activations per 256
+/* ---------------------------------------------------------------- K-quants, up to 15 rows: int8 activations per 256
  *
- * For the two-level layouts (Q4_K, Q5_K, Q6_K) at a few rows (decoding), as llama.cpp multiplies them: each input
+ * For the two-level layouts (Q4_K, Q5_K, Q6_K) below INT8_ROWS_K rows (decoding), as llama.cpp multiplies them: each input
  * row is rounded to int8 with one scale per 256 values (a super-block: max|x| / 127, llama.cpp's Q8_K), so a whole
  * super-block sums in 32-bit integers: per 32-block, maddubs of the weight bytes (unsigned, or |w| with x's signs
  * moved over) and x's, then madd with the block's integer scale (two for G = 16); the super-block's sum is turned
@@ -848,6 +849,13 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
     }
 KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0)
 
+/* auto takes the integer paths below these batch sizes, the float32 panels from them on. Measured on a 2-core AMD
+ * EPYC (Zen 1, AVX2, no VNNI: its slowest integer units) with bench_qgemm.py, 1B shapes, time of the integer path
+ * over the panels': the K-quants 0.63-0.75x at 10 rows, 0.81-1.08x at 16, 0.87-1.17x at 24; 8-bit blocks 0.75-0.94x
+ * at 10, 0.90-1.16x at 16, 1.3-1.45x at 32. CPUs with VNNI or full-width AVX2 units favour the integer paths more. */
+#define INT8_ROWS_K 16
+#define INT8_ROWS_Q8 12
+
 /* the two-level layouts this path serves: Q4_K (4, unsigned, G 32), Q6_K (8, signed, G 16), Q5_K (8, unsigned, 32) */
 static int gemm_k_serves(int bits, int sgn, int64_t G, int sfmt, int64_t K) {
     if (sfmt != SC_TWO_LEVEL || K % KS) return 0;
@@ -877,7 +885,7 @@ static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
     free(xb);
 }
 
-/* 8-bit blocks (Q8_0, --quantization int8: signed, G = 32, no mins) at a few rows, activations int8 per 32 as
+/* 8-bit blocks (Q8_0, --quantization int8: signed, G = 32, no mins) below INT8_ROWS_Q8 rows, activations int8 per 32 as
  * llama.cpp multiplies Q8_0 by Q8_0: per block an integer dot product (dpbusd with VNNI, maddubs + madd without),
  * turned to float32 and scaled by the weight's and x's scales, formed for 8 blocks at a time. */
 static inline __attribute__((always_inline)) void row_q8(const uint8_t *w, const sc_t *ws, const int8_t *xq,
@@ -958,11 +966,11 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
     const sc_t sc = sc_of(scales_v, sup, sfmt, sgn, G), mn = sc_of(mins_v, supm, sfmt, 0, G);
     const sc_t *scales = &sc, *mins = sc_some(&mn) ? &mn : NULL;
 #ifdef WQ_AVX2
-    if (act == ACT_AUTO && M < PANEL_ROWS && gemm_k_serves(bits, sgn, G, sfmt, K)) {
+    if (act == ACT_AUTO && M < INT8_ROWS_K && gemm_k_serves(bits, sgn, G, sfmt, K)) {
         gemm_k(x, x_bf16, M, K, w, bits, sgn, G, scales, &mn, bias, res, out, out_bf16, ldo, N);
         return;
     }
-    if (act == ACT_AUTO && M < PANEL_ROWS && gemm_q8_serves(bits, sgn, G, sfmt, mins_v)) {
+    if (act == ACT_AUTO && M < INT8_ROWS_Q8 && gemm_q8_serves(bits, sgn, G, sfmt, mins_v)) {
         gemm_q8(x, x_bf16, M, K, w, scales, bias, res, out, out_bf16, ldo, N);
         return;
     }

@@ -32,9 +32,9 @@ _DEQUANT_TILE = 1 << 21
 # How the kernels take activations (qgemm's act): float32 multiplies the exact weights, widened; int8 rounds every
 # row to int8 per 32 (llama.cpp's Q8_0 activations: on the built-in model's Q4_1 blocks it moved next-token
 # log-probabilities by 0.08 nats, four times the accuracy bar for int8 weights, scripts/quant_accuracy.py); auto
-# (the default) rounds them at 1-5 rows, as llama.cpp does, where the float32 path is bound by widening the weights:
-# per 256 for the two-level layouts (Q4_K, Q5_K, Q6_K, int4), per 32 for 8-bit blocks (Q8_0, int8: within the 0.02
-# nats bar); float32 for Q4_0, Q4_1 and 6+ rows. WAFERSCALE_QUANT_ACTIVATIONS=float32|int8|auto chooses.
+# (the default) rounds them, as llama.cpp does, where the float32 path is bound by widening the weights: per 256 for
+# the two-level layouts (Q4_K, Q5_K, Q6_K, int4) below 16 rows, per 32 for 8-bit blocks (Q8_0, int8: within the
+# 0.02 nats bar) below 12 rows; float32 for Q4_0, Q4_1 and larger batches. WAFERSCALE_QUANT_ACTIVATIONS=float32|int8|auto chooses.
 ACTIVATION_MODES = {"float32": 0, "int8": 1, "auto": 2}
 _act_name = os.environ.get("WAFERSCALE_QUANT_ACTIVATIONS", "auto")
 if _act_name not in ACTIVATION_MODES:
@@ -246,7 +246,7 @@ def _int4_two_level(w: torch.Tensor) -> QuantWeight:
     """int4 as Q4_K stores it: per 32 weights a 6-bit scale and min (bytes), per 256 a float32 d and dmin; weight =
     d * sc * q - dmin * m. Each group's range is widened to include 0 (so that min <= 0), its scale and min rounded
     to 6 bits of the super-block's largest, and q taken against the rounded ones. 0.59 bytes a weight instead of
-    0.75, and served by the K-quants' integer kernel at a few rows."""
+    0.75, and served by the K-quants' integer kernel below 16 rows."""
     n = w.shape[0]
     lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)  # [n, K / 32]
     scale, depth = ((hi - lo) / 15).view(n, -1, 8), (-lo).view(n, -1, 8)
