@@ -707,12 +707,12 @@ static sc_t sc_of(const void *v, const float *sup, int fmt, int sgn, int64_t G) 
 
 /* ---------------------------------------------------------------- K-quants, up to 15 rows: int8 activations per 256
  *
- * For the two-level layouts (Q4_K, Q5_K, Q6_K) below INT8_ROWS_K rows (decoding), as llama.cpp multiplies them: each input
- * row is rounded to int8 with one scale per 256 values (a super-block: max|x| / 127, llama.cpp's Q8_K), so a whole
- * super-block sums in 32-bit integers: per 32-block, maddubs of the weight bytes (unsigned, or |w| with x's signs
- * moved over) and x's, then madd with the block's integer scale (two for G = 16); the super-block's sum is turned
- * to float32 once and scaled by sup * x's scale. The mins meet the integer sums of x's rounded values over their
- * groups. About a third of the instructions a weight of the float32 path's, so a few rows stream the weights at
+ * For the two-level layouts (Q4_K, Q5_K, Q6_K) below INT8_ROWS_K rows (decoding), as llama.cpp multiplies them:
+ * each input row is rounded to int8 with one scale per 256 values (a super-block: max|x| / 127, llama.cpp's Q8_K),
+ * so a whole super-block sums in 32-bit integers: per 32-block, maddubs of the weight bytes (unsigned, or |w| with
+ * x's signs moved over) and x's, then madd with the block's integer scale (two for G = 16); the super-block's sum is
+ * turned to float32 once and scaled by sup * x's scale. The mins meet the integer sums of x's rounded values over
+ * their groups. About a third of the instructions a weight of the float32 path's, so a few rows stream the weights at
  * memory speed instead of being bound by the widening. Every row's result depends only on that row.
  * No overflow: |w| <= 32 (Q6_K), <= 31 (Q5_K), <= 15 (Q4_K), |x| <= 127, so maddubs' pair sums stay within int16
  * (<= 8128), and the super-block's integer sum within 2^31 (scales <= 127). */
@@ -885,8 +885,8 @@ static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
     free(xb);
 }
 
-/* 8-bit blocks (Q8_0, --quantization int8: signed, G = 32, no mins) below INT8_ROWS_Q8 rows, activations int8 per 32 as
- * llama.cpp multiplies Q8_0 by Q8_0: per block an integer dot product (dpbusd with VNNI, maddubs + madd without),
+/* 8-bit blocks (Q8_0, --quantization int8: signed, G = 32, no mins) below INT8_ROWS_Q8 rows, activations int8 per
+ * 32 as llama.cpp multiplies Q8_0 by Q8_0: per block an integer dot product (dpbusd with VNNI, maddubs + madd without),
  * turned to float32 and scaled by the weight's and x's scales, formed for 8 blocks at a time. */
 static inline __attribute__((always_inline)) void row_q8(const uint8_t *w, const sc_t *ws, const int8_t *xq,
                                                          const float *xs, int64_t K, float sums[4], const int mt) {
