@@ -50,7 +50,8 @@ def main() -> None:
     def request(n: int) -> float:
         for i in range(args.streams):
             prompt = list(range(100 + 40 * i, 132 + 40 * i))
-            engine.add_request(f"{time.time()}-{i}", prompt, SamplingParams(max_tokens=n, min_tokens=n, temperature=0))
+            params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0)
+            engine.add_request(f"{time.time()}-{i}", prompt, params)
         t0 = time.perf_counter()
         steps_s.clear()
         while engine.has_work():
@@ -64,11 +65,12 @@ def main() -> None:
     wall = request(args.tokens + 1)  # the prompt's step, then one step a token
     steps = len(steps_s)
     rest = wall - spent["layers"] - spent["logits"]
+    median = statistics.median(steps_s) * 1e3
+    streams = "" if args.streams == 1 else f"; {args.streams} streams, median step {median:.1f} ms"
     print(
         f"{wall * 1e3 / steps:.1f} ms a step: layers {spent['layers'] * 1e3 / steps:.1f}, "
         f"logits {spent['logits'] * 1e3 / steps:.1f}, rest {rest * 1e3 / steps:.1f} "
-        f"({steps} steps, the first of them the 32-token prompt"
-        + (f"s; {args.streams} streams: median step {statistics.median(steps_s) * 1e3:.1f} ms)" if args.streams > 1 else ")")
+        f"({steps} steps, the first of them the 32-token prompts{streams})"
     )
 
 
