@@ -82,6 +82,29 @@ def test_linear_bf16_rows_do_not_depend_on_the_batch():
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+@pytest.mark.parametrize("k,n,bias", [(576, 960, False), (1536, 577, True), (20, 7, True)])
+def test_linear_f32_matches_a_float64_product(rows, k, n, bias):
+    """float32 weights read in place: the product within float32 rounding, whatever M, K's tail and N's tail."""
+    torch.manual_seed(3)
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    got = native.linear_f32(x, w, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+@needs_native
+def test_linear_f32_rows_do_not_depend_on_the_batch():
+    """A float32 row's result is bit-identical alone or among other rows."""
+    torch.manual_seed(7)
+    x, w = torch.randn(16, 1539), torch.randn(301, 1539)
+    whole = native.linear_f32(x, w)
+    for start, stop in [(0, 1), (7, 8), (3, 6), (5, 16)]:
+        assert torch.equal(native.linear_f32(x[start:stop], w), whole[start:stop])
+
+
+@needs_native
 def test_linear_bf16_takes_and_gives_bfloat16_rounded_like_torch():
     """bf16 in, bf16 out: the float32 product rounded to nearest even, as torch's .to(torch.bfloat16) rounds."""
     torch.manual_seed(2)
@@ -225,6 +248,33 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
     assert len(calls["linear_silu_mul_bf16"]) == prefill * layers
     assert len(calls["linear_add_bf16"]) == prefill * 2 * layers  # o_proj, down_proj
     assert calls["decode_layer_bf16"] == [5] * (steps - 1) * layers
+
+
+@needs_native
+def test_float32_projections_read_their_weights_in_place_for_small_batches():
+    """With float32 weights, batches of up to F32_NATIVE_ROWS rows (decoding) take the native kernel on the weights
+    as loaded, no copy; a larger batch (here the prefill of 3 prompts) goes to PyTorch."""
+    from waferscale.models.llama import F32_NATIVE_ROWS
+
+    loaded = load_model(None, dtype="float32", progress=False)
+    proj = loaded.model.layers[0].mlp.down_proj
+    assert proj.native is native and proj.native_rows == F32_NATIVE_ROWS
+    assert proj.weight_packed is None and proj.weight_f32 is None and proj.weight.dtype == torch.float32
+    engine = LLMEngine(loaded)
+    for i in range(3):
+        ids = loaded.tokenizer.encode(f"Hello {i}, tell me a story about a cat, a dog and a bird")
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=3, min_tokens=3, temperature=0))
+    rows: list[int] = []
+    original = native.linear_f32
+    native.linear_f32 = lambda x, *a: rows.append(x.shape[0]) or original(x, *a)
+    try:
+        while engine.has_work():
+            engine.step()
+    finally:
+        del native.linear_f32
+    # qkv, o, gate/up and down of each layer in the 2 decode steps of 3 rows (the prefill's 51 rows: none), and the
+    # head in all 3 steps (the prefill's scores are for its 3 last rows)
+    assert rows == [3] * (2 * 4 * loaded.config.num_layers + 3)
 
 
 @needs_native

@@ -221,6 +221,9 @@ for kind in FORMATS:
     assert torch.equal(lib.qdequant(w), dense)
     _check_matmul(w, dense, lib)
 _check_layouts(lib, rows_list=(1, 8))
+x, w = torch.randn(3, 1539), torch.randn(9, 1539)  # float32 weights too (cpu_kernels.c)
+torch.testing.assert_close(lib.linear_f32(x, w), torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5)
+assert torch.equal(lib.linear_f32(x[1:2], w), lib.linear_f32(x, w)[1:2])
 print("portable ok")
 """
     env = dict(os.environ, WAFERSCALE_NATIVE_KERNELS="portable", WAFERSCALE_CACHE_DIR=str(tmp_path))

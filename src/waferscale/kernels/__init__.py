@@ -1,9 +1,10 @@
 """Native CPU kernels (cpu_kernels.c), compiled with the machine's C compiler at first use and cached.
 
 PyTorch has no fast CPU op for attention over a paged KV cache or for a GEMM with bfloat16 weights on CPUs without
-native bfloat16; these kernels fill that gap, and fold the small ops around them (rope, SiLU, residual adds, the
-sampler's argmax and log-sum-exp) into the same passes. Everything works without them: when no compiler
-is found, or `WAFERSCALE_NATIVE_KERNELS=0` is set, `load()` returns None and callers use plain PyTorch ops.
+native bfloat16, and its float32 GEMMs for a few rows are slow on AMD CPUs; these kernels fill that gap, and fold
+the small ops around them (rope, SiLU, residual adds, the sampler's argmax and log-sum-exp) into the same passes.
+Everything works without them: when no compiler is found, or `WAFERSCALE_NATIVE_KERNELS=0` is set, `load()`
+returns None and callers use plain PyTorch ops.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rmsnorm_bf16.restype = None
     lib.decode_attention_bf16.argtypes = [ptr] * 5 + [ctypes.c_int] + [ptr] * 4 + [i64] * 6 + [f32]
     lib.decode_attention_bf16.restype = None
+    lib.gemm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.gemm_f32.restype = None
     lib.gemm_bf16_silu_mul.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, i64, i64]
     lib.gemm_bf16_silu_mul.restype = None
     lib.gemm_bf16_add.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64]
@@ -294,6 +297,16 @@ class NativeKernels:
             k,
             out_features,
         )
+        return y
+
+    def linear_f32(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x W^T (+ bias) for float32 x [M, K] and W [N, K] as they are (no packed copy), float32 [M, N]."""
+        x = x.contiguous()
+        m, k = x.shape
+        if weight.shape[1] != k or not weight.is_contiguous():
+            raise ValueError(f"x has {k} features; the weight needs {weight.shape[1]}, contiguous")
+        y = torch.empty(m, weight.shape[0], dtype=torch.float32)
+        self.lib.gemm_f32(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), m, k, weight.shape[0])
         return y
 
     def linear_silu_mul_bf16(self, x: torch.Tensor, pairs: torch.Tensor, inter: int) -> torch.Tensor:

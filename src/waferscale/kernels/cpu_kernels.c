@@ -5,6 +5,8 @@
  *   gemm_bf16_packed: y = x W^T + b with bfloat16 weights widened to float32 in registers: decoding reads half
  *       the bytes of a float32 copy, and PyTorch's own bf16 GEMM is emulated (slow) on CPUs without AVX512-BF16.
  *       gemm_bf16_silu_mul and gemm_bf16_add finish a Llama MLP's gate/up or a residual add in the same pass.
+ *   gemm_f32: y = x W^T + b with float32 weights as loaded, for few rows: MKL's small-batch float32 GEMMs, which
+ *       PyTorch calls, are slow on AMD CPUs.
  *   rmsnorm_bf16, decode_attention_bf16: a layer's small ops for bf16 rows, each one call instead of many.
  *   decode_layer: a whole decoder layer for a batch of decodes, the kernels above (or quantized projections
  *       through quant_kernels.c's qgemm) in one call.
@@ -300,6 +302,88 @@ void gemm_bf16_packed(const void *x, int x_bf16, const uint16_t *wp, const float
 
 /* y = silu(x G^T) * (x U^T) in bf16, [M, N / 2], from the gate and up weights packed in pairs of panels
  * (waferscale.kernels.pack_bf16_pairs): a Llama MLP's first half in one pass, as torch's bf16 ops round it. */
+/* float32 weights for few rows (decoding in float32): y[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]), W row-major
+ * [N, K] as loaded, read in place (no packed copy). PyTorch hands such shapes to MKL, whose small-batch float32
+ * paths are slow on AMD CPUs (5-10 GB/s of weights at one row where memory gives 15-20, and worse at 4 rows: 2
+ * GB/s on a Zen 1 EPYC); this kernel streams W once per call for up to F32_MB rows at a time. Each sum runs over k
+ * in 8 lanes (k mod 8), in order, then adds the lanes in a fixed tree and the K % 8 tail: a row's result is the
+ * same whatever the batch. */
+#define F32_NR 4 /* weight rows a call reads together */
+#define F32_MB 2 /* x rows a call multiplies them with: 8 sums, 4 weights and x in 13 registers */
+#ifdef WS_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#define F32_DOTS(MB, NR)                                                                                          \
+static inline void f32_dots_##MB##_##NR(const float *x, const float *w, int64_t K, float out[F32_MB][F32_NR]) {  \
+    __m256 acc[MB][NR];                                                                                           \
+    for (int i = 0; i < MB; i++)                                                                                  \
+        for (int r = 0; r < NR; r++) acc[i][r] = _mm256_setzero_ps();                                            \
+    const int64_t K8 = K & ~(int64_t)7;                                                                           \
+    for (int64_t k = 0; k < K8; k += 8) {                                                                         \
+        __m256 wv[NR];                                                                                            \
+        for (int r = 0; r < NR; r++) wv[r] = _mm256_loadu_ps(w + r * K + k);                                     \
+        for (int i = 0; i < MB; i++) {                                                                            \
+            const __m256 xv = _mm256_loadu_ps(x + i * K + k);                                                     \
+            for (int r = 0; r < NR; r++) acc[i][r] = _mm256_fmadd_ps(xv, wv[r], acc[i][r]);                      \
+        }                                                                                                         \
+    }                                                                                                             \
+    for (int i = 0; i < MB; i++)                                                                                  \
+        for (int r = 0; r < NR; r++) {                                                                            \
+            float s = hsum8(acc[i][r]);                                                                           \
+            for (int64_t k = K8; k < K; k++) s += x[i * K + k] * w[r * K + k];                                    \
+            out[i][r] = s;                                                                                        \
+        }                                                                                                         \
+}
+F32_DOTS(1, 4) F32_DOTS(2, 4) F32_DOTS(1, 1) F32_DOTS(2, 1)
+#endif
+
+/* out[i][r] = x row i . W row r, for mb (1..F32_MB) rows of x and nr (1..F32_NR) rows of W */
+static void f32_dots(int64_t mb, int64_t nr, const float *x, const float *w, int64_t K, float out[F32_MB][F32_NR]) {
+#ifdef WS_AVX2
+    if (nr == F32_NR) {
+        if (mb == 2) f32_dots_2_4(x, w, K, out);
+        else f32_dots_1_4(x, w, K, out);
+        return;
+    }
+    float one[F32_MB][F32_NR];
+    for (int64_t r = 0; r < nr; r++) { /* a short last group of weight rows: one at a time, the same sums */
+        if (mb == 2) f32_dots_2_1(x, w + r * K, K, one);
+        else f32_dots_1_1(x, w + r * K, K, one);
+        for (int64_t i = 0; i < mb; i++) out[i][r] = one[i][0];
+    }
+#else
+    for (int64_t i = 0; i < mb; i++)
+        for (int64_t r = 0; r < nr; r++) {
+            float lanes[8] = {0};
+            const int64_t K8 = K & ~(int64_t)7;
+            for (int64_t k = 0; k < K8; k += 8)
+                for (int j = 0; j < 8; j++) lanes[j] += x[i * K + k + j] * w[r * K + k + j];
+            float s = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+            for (int64_t k = K8; k < K; k++) s += x[i * K + k] * w[r * K + k];
+            out[i][r] = s;
+        }
+#endif
+}
+
+/* y [M, N] float32 = x [M, K] W^T (+ bias) for float32 W [N, K], row-major. */
+void gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t K, int64_t N) {
+    const int64_t groups = (N + F32_NR - 1) / F32_NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = g * F32_NR, nr = N - n0 < F32_NR ? N - n0 : F32_NR;
+        float out[F32_MB][F32_NR];
+        for (int64_t m0 = 0; m0 < M; m0 += F32_MB) {
+            const int64_t mb = M - m0 < F32_MB ? M - m0 : F32_MB;
+            f32_dots(mb, nr, x + m0 * K, w + n0 * K, K, out);
+            for (int64_t i = 0; i < mb; i++)
+                for (int64_t r = 0; r < nr; r++) y[(m0 + i) * N + n0 + r] = out[i][r] + (bias ? bias[n0 + r] : 0.f);
+        }
+    }
+}
+
 void gemm_bf16_silu_mul(const void *x, int x_bf16, const uint16_t *wp, uint16_t *y, int64_t M, int64_t K,
                         int64_t N) {
     gemm_run(x, x_bf16, wp, NULL, y, 1, NULL, EPI_SILU_MUL, M, K, N);

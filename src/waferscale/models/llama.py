@@ -20,6 +20,11 @@ _F32_COPY_ROWS = 4  # with float32 copies, batches from this size use them
 # 1 row; with the whole-layer decode call, a decode step on the 2-core AMX machine is faster natively up to 16 rows
 # (23.5 against 32.1 ms at 8, 36.3 against 38.2 at 16), and oneDNN (AMX) wins from 24 (44.3 against 47.7 ms)
 HARDWARE_BF16_NATIVE_ROWS = 16
+# float32 weights: batches up to this many rows take the native kernel, which reads the weights in place. PyTorch
+# sends them to MKL, whose small-batch float32 paths are slow on AMD CPUs: on a 2-core Zen 1 EPYC, the built-in model's
+# shapes at 1 row 6.5-9 GB/s of weights through MKL against 14-19 natively, at 4 rows 2.0-2.1 against 7.7-11, at 16 rows
+# 1.8-2.0 against 3.8-4.4 (a 1,536-wide down projection: 2.8 against 4.4)
+F32_NATIVE_ROWS = 16
 
 
 def onednn_rows(rows: int) -> int:
@@ -62,6 +67,7 @@ class Linear(nn.Module):
     to float32 in registers, so it reads half the bytes of a float32 copy), or else a float32 copy for batched rows
     (`make_f32_copy`) while single rows stay in bf16, where reading fewer bytes wins. Where bf16 is multiplied in
     hardware, only small batches take the native kernel (`native_rows`); larger ones go to PyTorch (oneDNN, AMX).
+    float32 weights take the native kernel in place (no copy) for batches up to F32_NATIVE_ROWS rows.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -77,16 +83,20 @@ class Linear(nn.Module):
         self.native_rows: int | None = None  # batches of at most this many rows use weight_packed (None: any)
 
     def takes_native(self, x: torch.Tensor) -> bool:
-        """Whether x goes through the native kernel (bf16 rows, a packed weight, a batch it is faster for)."""
-        return (
-            self.weight_packed is not None
-            and x.dtype == torch.bfloat16
-            and _within(x.shape[0], self.native_rows)
-        )
+        """Whether x goes through the native kernel (bf16 rows on a packed weight, or float32 rows on a float32
+        weight, in a batch it is faster for)."""
+        if self.native is None or x.dim() != 2 or not _within(x.shape[0], self.native_rows):
+            return False
+        if self.weight_packed is not None:
+            return x.dtype == torch.bfloat16
+        return x.dtype == self.weight.dtype == torch.float32
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b), plus `residual` when given (the native kernel adds it in the same pass)."""
         if self.takes_native(x):
+            if self.weight_packed is None:  # float32
+                y = self.native.linear_f32(x, self.weight, self.bias)
+                return y if residual is None else residual + y
             if residual is not None and residual.dtype == torch.bfloat16:
                 return self.native.linear_add_bf16(
                     x, self.weight_packed, self.weight.shape[0], residual, self.bias_f32
@@ -115,7 +125,11 @@ class Linear(nn.Module):
 
     def use_native(self, kernels, max_rows: int | None = None) -> int:
         """Pack a bf16 weight for the native GEMM, used for batches up to max_rows rows (None: any); returns the
-        bytes of the packed copy (0 for other dtypes)."""
+        bytes of the packed copy (0 for other dtypes). A float32 weight is used as it is, up to F32_NATIVE_ROWS."""
+        if self.weight.dtype == torch.float32:
+            limit = F32_NATIVE_ROWS if max_rows is None else min(max_rows, F32_NATIVE_ROWS)
+            self.native, self.native_rows = kernels, limit
+            return 0
         if self.weight.dtype != torch.bfloat16:
             return 0
         self.native, self.native_rows = kernels, max_rows
@@ -414,8 +428,8 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head
         if isinstance(head, QuantLinear):
             return head.project(hidden)
-        if head.takes_native(hidden):  # float32 scores; each row's the same whatever else is in the batch
-            return head.native.linear_bf16(hidden, head.weight_packed, head.weight.shape[0])
+        if head.weight_packed is not None and head.takes_native(hidden):  # bf16 weights, float32 scores, a row's
+            return head.native.linear_bf16(hidden, head.weight_packed, head.weight.shape[0])  # the same in any batch
         if hidden.shape[0] >= _F32_COPY_ROWS and head.weight_f32 is not None:
             return head.forward_f32(hidden.float())
         return head(hidden).float()
