@@ -212,6 +212,32 @@ def test_choices_of_one_prompt_share_its_blocks(engine):
 
 
 
+def test_float32_logprobs_are_the_same_alone_and_beside_other_requests(engine):
+    """In float32 a row's numbers do not depend on its step: a request decoded alone, and decoded in steps where other
+    prompts prefill and decode beside it, gets bit-identical logprobs (MKL, which PyTorch would call, gives a row
+    other bits at 1 row than at 20)."""
+    from waferscale.engine import SamplingParams
+
+    ids = engine.tokenizer.encode("Tell me about the history of lighthouses.")
+    params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0, logprobs=0)
+    others = {2: PROMPTS[0], 5: PROMPTS[1] + " rain"}  # step -> a prompt of over 16 tokens joining then
+
+    def logprobs(rid: str, joining: dict[int, str]) -> list[float]:
+        engine.add_request(rid, ids, params)
+        got, step = [], 0
+        while engine.has_work():
+            if step in joining:
+                engine.add_request(f"{rid}-{step}", engine.tokenizer.encode(joining[step]), params)
+            got += [lp.logprob for ev in engine.step() if ev.request_id == rid for lp in ev.logprobs]
+            step += 1
+        return got
+
+    logprobs("warm", {})  # the prompt's blocks cached, so that both runs below start from them alike
+    alone = logprobs("alone", {})
+    assert len(alone) == 10
+    assert logprobs("busy", others) == alone
+
+
 def test_a_client_that_leaves_before_its_body_is_read_is_no_server_error(server):
     """Closing the socket right after sending: no traceback in the log, and the server keeps serving."""
     import json

@@ -251,18 +251,16 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
 
 
 @needs_native
-def test_float32_projections_read_their_weights_in_place_for_small_batches():
-    """With float32 weights, batches of up to F32_NATIVE_ROWS rows (decoding) take the native kernel on the weights
-    as loaded, no copy; a larger batch (here the prefill of 3 prompts) goes to PyTorch."""
-    from waferscale.models.llama import F32_NATIVE_ROWS
-
+def test_float32_projections_read_their_weights_in_place_in_every_batch():
+    """With float32 weights, every projection of every batch (a prefill's many rows, decoding's few) takes the native
+    kernel on the weights as loaded, no copy: a row's numbers never depend on what else is in its step."""
     loaded = load_model(None, dtype="float32", progress=False)
     proj = loaded.model.layers[0].mlp.down_proj
-    assert proj.native is native and proj.native_rows == F32_NATIVE_ROWS
+    assert proj.native is native and proj.native_rows is None
     assert proj.weight_packed is None and proj.weight_f32 is None and proj.weight.dtype == torch.float32
     engine = LLMEngine(loaded)
-    for i in range(3):
-        ids = loaded.tokenizer.encode(f"Hello {i}, tell me a story about a cat, a dog and a bird")
+    prompts = [loaded.tokenizer.encode(f"Hello {i}, tell me a story about a cat, a dog and a bird") for i in range(3)]
+    for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, SamplingParams(max_tokens=3, min_tokens=3, temperature=0))
     rows: list[int] = []
     original = native.linear_f32
@@ -272,9 +270,10 @@ def test_float32_projections_read_their_weights_in_place_for_small_batches():
             engine.step()
     finally:
         del native.linear_f32
-    # qkv, o, gate/up and down of each layer in the 2 decode steps of 3 rows (the prefill's 51 rows: none), and the
-    # head in all 3 steps (the prefill's scores are for its 3 last rows)
-    assert rows == [3] * (2 * 4 * loaded.config.num_layers + 3)
+    # qkv, o, gate/up and down of each layer, then the head (the prefill's scores: its prompts' last rows)
+    per_layer = 4 * loaded.config.num_layers
+    prefill = sum(map(len, prompts))
+    assert rows == [prefill] * per_layer + [3] + ([3] * per_layer + [3]) * 2
 
 
 @needs_native

@@ -20,11 +20,6 @@ _F32_COPY_ROWS = 4  # with float32 copies, batches from this size use them
 # 1 row; with the whole-layer decode call, a decode step on the 2-core AMX machine is faster natively up to 16 rows
 # (23.5 against 32.1 ms at 8, 36.3 against 38.2 at 16), and oneDNN (AMX) wins from 24 (44.3 against 47.7 ms)
 HARDWARE_BF16_NATIVE_ROWS = 16
-# float32 weights: batches up to this many rows take the native kernel, which reads the weights in place. PyTorch
-# sends them to MKL, whose small-batch float32 paths are slow on AMD CPUs: on a 2-core Zen 1 EPYC, the built-in model's
-# shapes at 1 row 6.5-9 GB/s of weights through MKL against 14-19 natively, at 4 rows 2.0-2.1 against 7.7-11, at 16 rows
-# 1.8-2.0 against 3.8-4.4 (a 1,536-wide down projection: 2.8 against 4.4)
-F32_NATIVE_ROWS = 16
 
 
 def onednn_rows(rows: int) -> int:
@@ -67,7 +62,12 @@ class Linear(nn.Module):
     to float32 in registers, so it reads half the bytes of a float32 copy), or else a float32 copy for batched rows
     (`make_f32_copy`) while single rows stay in bf16, where reading fewer bytes wins. Where bf16 is multiplied in
     hardware, only small batches take the native kernel (`native_rows`); larger ones go to PyTorch (oneDNN, AMX).
-    float32 weights take the native kernel in place (no copy) for batches up to F32_NATIVE_ROWS rows.
+    float32 weights take the native kernel in place (no copy), for every batch: a row's numbers are then the same
+    whatever else runs in its step (decode rows beside a prompt's, or a prediction's drafts), so greedy float32
+    answers do not depend on the load. PyTorch would send them to MKL, whose float32 GEMMs are slow on AMD CPUs for
+    small batches and give a row different bits at different batch sizes. On a 2-core Zen 1 EPYC, the built-in
+    model's shapes: at 1 row 6.5-9 GB/s of weights through MKL against 14-19 natively, at 4 rows 1.7-2.1 against
+    7.7-11; at 16-64 rows 10-32 GFLOP/s against 24-46, at 512 rows 34-40 against 31-32.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -125,10 +125,9 @@ class Linear(nn.Module):
 
     def use_native(self, kernels, max_rows: int | None = None) -> int:
         """Pack a bf16 weight for the native GEMM, used for batches up to max_rows rows (None: any); returns the
-        bytes of the packed copy (0 for other dtypes). A float32 weight is used as it is, up to F32_NATIVE_ROWS."""
+        bytes of the packed copy (0 for other dtypes). A float32 weight is used as it is, for every batch."""
         if self.weight.dtype == torch.float32:
-            limit = F32_NATIVE_ROWS if max_rows is None else min(max_rows, F32_NATIVE_ROWS)
-            self.native, self.native_rows = kernels, limit
+            self.native, self.native_rows = kernels, None
             return 0
         if self.weight.dtype != torch.bfloat16:
             return 0

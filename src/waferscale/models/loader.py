@@ -186,7 +186,7 @@ def _load_folder(
         rows = HARDWARE_BF16_NATIVE_ROWS if cpu_has_native_bf16() else None
         packed = model.use_native_kernels(native, max_rows=rows) > 0
     elif dtype == torch.float32 and (native := kernels.load()) is not None:
-        model.use_native_kernels(native)  # float32 projections read in place, for small batches
+        model.use_native_kernels(native)  # float32 projections read in place
     if dtype != torch.float32 and not packed and _f32_copy_bytes(cfg) < _available_memory() // 4:
         model.add_float32_copies()
     ident = [__version__, cfg.to_dict(), str(dtype), context] + ([quant_label, sorted(kinds)] if quantized else [])
