@@ -147,7 +147,8 @@ def hf_config(ws_config: dict, tokenizer: dict) -> tuple[dict, dict]:
 
 def bf16_gguf(cache: Path, llama_dir: Path) -> Path:
     """A BF16 GGUF of exactly the weights waferscale serves (its bf16 conversion), made once by convert_hf_to_gguf.py."""
-    from waferscale.models.loader import _converted_gguf, builtin_model_path
+    from waferscale.models.loader import _converted_gguf
+    from waferscale.models.source import builtin_model_path
 
     out = cache / "SmolLM2-135M-Instruct.BF16.gguf"
     if out.is_file():
@@ -246,7 +247,8 @@ def weight_bytes() -> dict[str, int]:
     import gguf
     from safetensors import safe_open
 
-    from waferscale.models.loader import _converted_gguf, builtin_model_path
+    from waferscale.models.loader import _converted_gguf
+    from waferscale.models.source import builtin_model_path
 
     folder = _converted_gguf(builtin_model_path(), "bfloat16", progress=False)
     params = 0

@@ -86,7 +86,8 @@ def oracle():
     import llguidance
 
     from waferscale.engine.grammar import grammar_text
-    from waferscale.models.loader import _converted_gguf, builtin_model_path
+    from waferscale.models.loader import _converted_gguf
+    from waferscale.models.source import builtin_model_path
 
     folder = _converted_gguf(builtin_model_path(), "bfloat16", progress=False)
     tok = llguidance.LLTokenizer(str(folder / "tokenizer.json"))

@@ -199,6 +199,20 @@ def test_bad_model_path_stops_with_one_clear_line(tmp_path, make, expected):
     assert len(lines) == 1 and lines[0].startswith("waferscale: error:") and expected in lines[0], r.stderr
 
 
+def test_a_bad_model_path_is_refused_before_pytorch_is_imported(tmp_path):
+    """The path is checked first, so a typo costs a moment, not the seconds that importing PyTorch takes."""
+    script = (
+        "import sys\n"
+        "from waferscale.cli import main\n"
+        "try:\n"
+        f"    main(['serve', '--model', {str(tmp_path / 'missing.gguf')!r}])\n"
+        "except SystemExit as exc:\n"
+        "    print(exc.code, 'torch' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["2", "False"], r.stderr
+
+
 def test_load_model_raises_model_load_error_for_bad_dtype():
     with pytest.raises(ModelLoadError):
         load_model(dtype="int3")

