@@ -65,9 +65,9 @@ class Linear(nn.Module):
     float32 weights take the native kernel in place (no copy), for every batch: a row's numbers are then the same
     whatever else runs in its step (decode rows beside a prompt's, or a prediction's drafts), so greedy float32
     answers do not depend on the load. PyTorch would send them to MKL, whose float32 GEMMs are slow on AMD CPUs for
-    small batches and give a row different bits at different batch sizes. On a 2-core Zen 1 EPYC, the built-in
-    model's shapes: at 1 row 6.5-9 GB/s of weights through MKL against 14-19 natively, at 4 rows 1.7-2.1 against
-    7.7-11; at 16-64 rows 10-32 GFLOP/s against 24-46, at 512 rows 34-40 against 31-32.
+    small batches and give a row different bits at 1-2 rows than at more. scripts/bench_f32.py on a 2-core Zen 1
+    EPYC, the built-in model's shapes, native over MKL's speed: 1.5-6.6x at 1-4 rows, 1.2-2.5x at 16, 0.6-1.4x at
+    64, 0.80-0.87x at 512 (a long prompt's prefill, the one place it costs).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
