@@ -47,7 +47,8 @@ def model_source(path: str | os.PathLike | None) -> Path:
         if not config.is_file():
             raise ModelLoadError(f"{src} has no config.json (a Hugging Face folder needs config.json, *.safetensors)")
         try:
-            model_type = json.loads(config.read_text()).get("model_type", "")
+            raw = json.loads(config.read_text())
+            model_type = raw.get("model_type") or raw.get("architecture", "")  # ours: a converted GGUF's folder
         except (OSError, ValueError, AttributeError) as exc:
             raise ModelLoadError(f"cannot load {src}: config.json is not a JSON object ({exc})") from None
         if model_type not in SUPPORTED_ARCHITECTURES:
