@@ -23,7 +23,7 @@ from waferscale import kernels  # noqa: E402
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}  # (N, K)
 
 
-def best_seconds(fn, calls: int) -> float:
+def seconds_per_call(fn, calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -61,7 +61,7 @@ def main() -> None:
                 fn()  # warm-up: oneDNN builds its kernel for the shape
             for _ in range(args.reps):
                 for label, fn in variants.items():
-                    best[label] = min(best[label], best_seconds(fn, calls))
+                    best[label] = min(best[label], seconds_per_call(fn, calls))
             cells = [f"{n * k * 4 / s / 1e9:5.1f} GB/s {2 * rows * n * k / s / 1e9:4.0f} GF" for s in best.values()]
             print(f"{name:8} {rows:>5}  {'  '.join(cells)}  {best['MKL'] / best['native']:.2f}x")
 
