@@ -5,8 +5,8 @@
  *   gemm_bf16_packed: y = x W^T + b with bfloat16 weights widened to float32 in registers: decoding reads half
  *       the bytes of a float32 copy, and PyTorch's own bf16 GEMM is emulated (slow) on CPUs without AVX512-BF16.
  *       gemm_bf16_silu_mul and gemm_bf16_add finish a Llama MLP's gate/up or a residual add in the same pass.
- *   gemm_f32: y = x W^T + b with float32 weights as loaded, for few rows: MKL's small-batch float32 GEMMs, which
- *       PyTorch calls, are slow on AMD CPUs.
+ *   gemm_f32: y = x W^T + b with float32 weights as loaded: MKL's float32 GEMMs, which PyTorch calls, are slow on
+ *       AMD CPUs for few rows and give a row other bits at other batch sizes.
  *   rmsnorm_bf16, decode_attention_bf16: a layer's small ops for bf16 rows, each one call instead of many.
  *   decode_layer: a whole decoder layer for a batch of decodes, the kernels above (or quantized projections
  *       through quant_kernels.c's qgemm) in one call.
@@ -300,14 +300,13 @@ void gemm_bf16_packed(const void *x, int x_bf16, const uint16_t *wp, const float
     gemm_run(x, x_bf16, wp, bias, y, y_bf16, NULL, EPI_STORE, M, K, N);
 }
 
-/* y = silu(x G^T) * (x U^T) in bf16, [M, N / 2], from the gate and up weights packed in pairs of panels
- * (waferscale.kernels.pack_bf16_pairs): a Llama MLP's first half in one pass, as torch's bf16 ops round it. */
-/* float32 weights for few rows (decoding in float32): y[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]), W row-major
- * [N, K] as loaded, read in place (no packed copy). PyTorch hands such shapes to MKL, whose small-batch float32
- * paths are slow on AMD CPUs (5-10 GB/s of weights at one row where memory gives 15-20, and worse at 4 rows: 2
- * GB/s on a Zen 1 EPYC); this kernel streams W once per call for up to F32_MB rows at a time. Each sum runs over k
- * in 8 lanes (k mod 8), in order, then adds the lanes in a fixed tree and the K % 8 tail: a row's result is the
- * same whatever the batch. */
+/* float32 weights (--dtype float32, every batch): y[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]), W row-major [N, K]
+ * as loaded, read in place (no packed copy). PyTorch hands such shapes to MKL, whose small-batch float32 paths are
+ * slow on AMD CPUs (5-10 GB/s of weights at one row where memory gives 15-20, and worse at 4 rows: 2 GB/s on a Zen 1
+ * EPYC), and which gives a row other bits at 1-2 rows than at more. This kernel streams each group of F32_NR weight
+ * rows from memory once per call, and multiplies it with F32_MB rows of x at a time while it stays in cache. Each
+ * sum runs over k in 8 lanes (k mod 8), in order, then adds the lanes in a fixed tree and the K % 8 tail: a row's
+ * result is the same whatever the batch. */
 #define F32_NR 4 /* weight rows a call reads together */
 #define F32_MB 2 /* x rows a call multiplies them with: 8 sums, 4 weights and x in 13 registers */
 #ifdef WS_AVX2
@@ -384,6 +383,8 @@ void gemm_f32(const float *x, const float *w, const float *bias, float *y, int64
     }
 }
 
+/* y = silu(x G^T) * (x U^T) in bf16, [M, N / 2], from the gate and up weights packed in pairs of panels
+ * (waferscale.kernels.pack_bf16_pairs): a Llama MLP's first half in one pass, as torch's bf16 ops round it. */
 void gemm_bf16_silu_mul(const void *x, int x_bf16, const uint16_t *wp, uint16_t *y, int64_t M, int64_t K,
                         int64_t N) {
     gemm_run(x, x_bf16, wp, NULL, y, 1, NULL, EPI_SILU_MUL, M, K, N);

