@@ -206,15 +206,17 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
     Where it is multiplied in hardware, batches of up to HARDWARE_BF16_NATIVE_ROWS rows do (decoding a few streams),
     and larger ones (here the prefill of 5 prompts) go to PyTorch's oneDNN. The MLP's gate/up runs with its
     SiLU-and-multiply, and o_proj and down_proj with their residual adds."""
-    from waferscale.models.llama import HARDWARE_BF16_NATIVE_ROWS, cpu_has_native_bf16
+    from waferscale.kernels import cpu_has_native_bf16
+    from waferscale.models.layers.linear import HARDWARE_BF16_NATIVE_ROWS, PackedBF16Method, Unpacked
 
     loaded = load_model(None, dtype="bfloat16", quantization="none", progress=False)  # bf16 weights
     hardware = cpu_has_native_bf16()
     mlp = loaded.model.layers[0].mlp
-    assert mlp.down_proj.weight_packed is not None and mlp.down_proj.weight_f32 is None
-    assert mlp.gate_up_pairs is not None and mlp.gate_up_proj.weight_packed is None  # packed once, in pairs
+    assert isinstance(mlp.down_proj.method, PackedBF16Method)  # not a float32 copy
+    assert mlp.gate_up_pairs is not None  # packed once, in pairs
+    assert isinstance(mlp.gate_up_proj.method, Unpacked) != hardware  # with hardware bf16, big batches need it
     limit = HARDWARE_BF16_NATIVE_ROWS if hardware else None
-    assert mlp.native_rows == limit and mlp.down_proj.native_rows == limit
+    assert mlp.pair_rows == limit and mlp.down_proj.method.max_rows == limit
     engine = LLMEngine(loaded)
     assert engine.native is native
     for i in range(5):
@@ -255,9 +257,11 @@ def test_float32_projections_read_their_weights_in_place_in_every_batch():
     """With float32 weights, every projection of every batch (a prefill's many rows, decoding's few) takes the native
     kernel on the weights as loaded, no copy: a row's numbers never depend on what else is in its step."""
     loaded = load_model(None, dtype="float32", progress=False)
+    from waferscale.models.layers.linear import NativeF32Method
+
     proj = loaded.model.layers[0].mlp.down_proj
-    assert proj.native is native and proj.native_rows is None
-    assert proj.weight_packed is None and proj.weight_f32 is None and proj.weight.dtype == torch.float32
+    assert isinstance(proj.method, NativeF32Method) and proj.method.kernels is native
+    assert proj.method.weight is proj.weight and proj.weight.dtype == torch.float32
     engine = LLMEngine(loaded)
     prompts = [loaded.tokenizer.encode(f"Hello {i}, tell me a story about a cat, a dog and a bird") for i in range(3)]
     for i, ids in enumerate(prompts):

@@ -316,7 +316,7 @@ def test_quantized_gguf_loads_and_answers_from_its_blocks(tmp_path, monkeypatch,
     assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the tied head
     assert not any(isinstance(p, torch.nn.Parameter) and p.dim() == 2 for p in served.model.parameters())
     if name == "Q4_K":  # q, k in Q4_K and v in Q6_K stay two parts, each in its own layout
-        qkv = served.model.layers[0].self_attn.qkv_proj
+        qkv = served.model.layers[0].self_attn.qkv_proj.quant
         assert [(p.bits, p.group) for p in qkv.parts] == [(4, 32), (8, 16)]
     exact = load_model(path, dtype="float32", progress=False)  # today's path: dequantized float32
     assert exact.quantization == "none"
@@ -387,7 +387,7 @@ def test_int8_quantization_keeps_greedy_tokens(tmp_path, monkeypatch, hf_tokeniz
     exact = load_model(folder, dtype="float32", progress=False)
     q8 = load_model(folder, dtype="bfloat16", quantization="int8", progress=False)
     assert q8.quantization == "int8"
-    assert isinstance(q8.model.lm_head, QuantLinear)
+    assert isinstance(q8.model.lm_head.quant, QuantLinear)
     ids = exact.tokenizer.encode("The three primary colours are")
     want = _greedy(exact, ids, 8)
     from test_models import our_logits

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from waferscale.models import llama
-from waferscale.models.llama import Linear, onednn_rows
+from waferscale.models.layers import linear
+from waferscale.models.layers.linear import Linear, LoadContext, onednn_rows
 
 
 def test_any_batch_from_1_to_8192_rows_meets_a_few_shapes():
@@ -17,14 +17,14 @@ def test_any_batch_from_1_to_8192_rows_meets_a_few_shapes():
 
 
 def test_a_padded_batch_gives_each_row_what_it_gets_unpadded(monkeypatch):
-    monkeypatch.setattr(llama, "cpu_has_native_bf16", lambda: True)
     torch.manual_seed(0)
     lin = Linear(64, 48, bias=True)
     lin.weight.data = torch.randn(48, 64).bfloat16()
     lin.bias.data = torch.randn(48).bfloat16()
+    lin.process_weights_after_loading(LoadContext(torch.bfloat16, kernels=None, hardware_bf16=True))
     calls = []
-    real = llama.F.linear
-    monkeypatch.setattr(llama.F, "linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    real = linear.F.linear
+    monkeypatch.setattr(linear.F, "linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     x = torch.randn(17, 64).bfloat16()
     y = lin(x)
     assert calls == [32] and y.shape == (17, 48)

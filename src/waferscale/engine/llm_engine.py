@@ -25,7 +25,7 @@ from waferscale.engine.outputs import GenerationEvent
 from waferscale.engine.params import SamplingParams
 from waferscale.engine.scheduler import ScheduledBatch, Scheduler
 from waferscale.engine.sequence import Sequence
-from waferscale.models.llama import cpu_has_native_bf16
+from waferscale.kernels import cpu_has_native_bf16
 from waferscale.models.loader import LoadedModel
 
 log = logging.getLogger("waferscale.engine")

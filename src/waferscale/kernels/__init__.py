@@ -33,6 +33,17 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _lock = threading.Lock()
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 GEMMs are emulated."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return True  # unknown platform: trust the library
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
 _loaded: dict[str, object] = {}
 
 
@@ -82,6 +93,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr] + [i64] * 6 + [f32]
     lib.paged_decode_attention.restype = None
+    lib.paged_decode_attention_ex.argtypes = [ptr, ptr, ptr, ctypes.c_int] + [ptr] * 5 + [i64] * 6 + [f32]
+    lib.paged_decode_attention_ex.restype = None
     lib.gemm_bf16_packed.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64]
     lib.gemm_bf16_packed.restype = None
     lib.rmsnorm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, f32]
@@ -247,19 +260,24 @@ class NativeKernels:
         lengths: torch.Tensor,
         scale: float,
         block_size: int,
+        starts: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: float32 [B, H, D]; caches: [slots, KVH, D] float32 or bfloat16; tables: int64 [B, W]; lengths: int64
-        [B]. Returns float32 [B, H, D]."""
+        [B]; starts: int64 [B], the first position each row sees (a sliding window; None: 0); sinks: float32 [H],
+        a logit per head joining the softmax's denominator (None: none). Returns float32 [B, H, D]."""
         b, h, d = q.shape
         kvh = k_cache.shape[1]
         out = torch.empty_like(q)
-        self.lib.paged_decode_attention(
+        self.lib.paged_decode_attention_ex(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             int(k_cache.dtype == torch.bfloat16),
             tables.data_ptr(),
+            _ptr(starts),
             lengths.data_ptr(),
+            _ptr(sinks),
             out.data_ptr(),
             b,
             h,

@@ -63,9 +63,12 @@ static inline const float *cache_row(const void *cache, int is_bf16, const int64
  * position t lives in slot tables[b, t / block_size] * block_size + t % block_size of the pool.
  * q, out: float32 [B, H, D]; tables: int64 [B, W]; lengths: int64 [B]; H is a multiple of KVH.
  * One sequence per task: each slot's keys (all kv heads, contiguous) are read once, by one thread. */
-void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                            const int64_t *tables, const int64_t *lengths, float *out, int64_t B, int64_t H,
-                            int64_t KVH, int64_t D, int64_t W, int64_t block_size, float scale) {
+/* As paged_decode_attention, over positions starts[b] .. lengths[b] - 1 of each sequence (starts NULL: from 0;
+ * a sliding window), with sinks[h] (NULL: none) joining each head's softmax denominator as one more logit. */
+void paged_decode_attention_ex(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                               const int64_t *tables, const int64_t *starts, const int64_t *lengths,
+                               const float *sinks, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                               int64_t W, int64_t block_size, float scale) {
     const int64_t G = H / KVH, row_len = KVH * D;
 #pragma omp parallel
     {
@@ -75,7 +78,7 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
         float *acc = (float *)malloc((size_t)(H * D) * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
-            const int64_t len = lengths[b];
+            const int64_t first = starts ? starts[b] : 0, len = lengths[b] - first;
             if (len > cap) {
                 free(scores);
                 cap = len;
@@ -85,7 +88,7 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
             const int64_t *table = tables + b * W;
             /* scores[h, t] = q_h . k_t * scale, with k_t the row of h's kv head */
             for (int64_t t = 0; t < len; t++) {
-                const float *k = cache_row(k_cache, is_bf16, table, t, block_size, row_len, row);
+                const float *k = cache_row(k_cache, is_bf16, table, first + t, block_size, row_len, row);
                 for (int64_t h = 0; h < H; h++) {
                     const float *qh = qb + h * D, *kh = k + (h / G) * D;
                     float s = 0.f;
@@ -97,7 +100,7 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
             /* softmax over t, per query head */
             for (int64_t h = 0; h < H; h++) {
                 float *sh = scores + h * len;
-                float m = -FLT_MAX;
+                float m = sinks ? sinks[h] : -FLT_MAX;
                 for (int64_t t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;
                 float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -105,6 +108,7 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
                     sh[t] = expf(sh[t] - m);
                     sum += sh[t];
                 }
+                if (sinks) sum += expf(sinks[h] - m);
                 const float inv = 1.f / sum;
 #pragma omp simd
                 for (int64_t t = 0; t < len; t++) sh[t] *= inv;
@@ -112,7 +116,7 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
             /* out_h = sum_t p[h, t] v_t */
             memset(acc, 0, (size_t)(H * D) * sizeof(float));
             for (int64_t t = 0; t < len; t++) {
-                const float *v = cache_row(v_cache, is_bf16, table, t, block_size, row_len, row);
+                const float *v = cache_row(v_cache, is_bf16, table, first + t, block_size, row_len, row);
                 for (int64_t h = 0; h < H; h++) {
                     const float p = scores[h * len + t], *vh = v + (h / G) * D;
                     float *ah = acc + h * D;
@@ -126,6 +130,13 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
         free(row);
         free(acc);
     }
+}
+
+void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                            const int64_t *tables, const int64_t *lengths, float *out, int64_t B, int64_t H,
+                            int64_t KVH, int64_t D, int64_t W, int64_t block_size, float scale) {
+    paged_decode_attention_ex(q, k_cache, v_cache, is_bf16, tables, NULL, lengths, NULL, out, B, H, KVH, D, W,
+                              block_size, scale);
 }
 
 /* Linear layers with bfloat16 weights, y = x W^T (+ b), for any number of rows M.

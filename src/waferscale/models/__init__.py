@@ -1,4 +1,4 @@
-"""Model code and loaders: Llama-family transformers from GGUF files or Hugging Face folders.
+"""Model code and loaders: decoder families (models/registry.py) from GGUF files or Hugging Face folders.
 
 `model_source` and `ModelLoadError` need no PyTorch; `load_model` and `LoadedModel` import it on first use, so
 that the CLI can refuse a bad model path at once."""

@@ -1,4 +1,4 @@
-"""Load a model from a GGUF file or a Hugging Face folder into our Llama forward, with a cached conversion."""
+"""Load a model from a GGUF file or a Hugging Face folder into its family's forward, with a cached conversion."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from tqdm import tqdm
 
 from waferscale import __version__, kernels
 from waferscale.heap import trim_heap
-from waferscale.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, check_no_sliding_window
-from waferscale.models.llama import HARDWARE_BF16_NATIVE_ROWS, LlamaForCausalLM, cpu_has_native_bf16
+from waferscale.models.base import CausalLM
+from waferscale.models.config import ModelConfig
+from waferscale.models.layers.linear import LoadContext
 from waferscale.models.quant import (
     QUANTIZATIONS,
     QuantLinear,
@@ -29,6 +30,7 @@ from waferscale.models.quant import (
     gather_quantized,
     quantize,
 )
+from waferscale.models.registry import GGUF_ARCHITECTURES, family_for_gguf, family_for_hf
 from waferscale.models.source import ModelLoadError, model_source
 from waferscale.models.tokenizer import ModelTokenizer
 
@@ -39,7 +41,7 @@ _CONVERSION_FORMAT = 5  # bump when the cached layout changes (3: quantized bloc
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: ModelTokenizer
     config: ModelConfig
     name: str
@@ -136,7 +138,7 @@ def _load_folder(
         part = load_file(str(shard))
         tensors.update({k: v.clone() for k, v in part.items()})
         del part
-    model = LlamaForCausalLM(cfg, context, dtype)
+    model = family_for_hf(cfg.architecture).model_class()(cfg, context, dtype)
     state = gather_quantized(tensors)
     tensors.clear()  # the model's modules hold the only references: a weight they release is freed
     model.load_hf_state(state, dtype)
@@ -144,8 +146,6 @@ def _load_folder(
     trim_heap()  # what fusing and packing freed goes back now, before the KV pool is reserved
     model.eval()
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    for m in quantized:
-        m.native = kernels.load()
     kinds = {(p.bits, p.group) for m in quantized for p in m.parts}
     if weights is not None:
         quant_label = weights[0].parent.name  # the method: int8 or int4
@@ -153,16 +153,17 @@ def _load_folder(
         quant_label = "gguf" if src.suffix.lower() == ".gguf" else "quantized"
     else:
         quant_label = "none"
-    packed = False
-    if dtype == torch.bfloat16 and (native := kernels.load()) is not None:
-        # where bf16 is emulated, the native GEMM on packed bf16 weights replaces the float32 copies below; where
-        # it is multiplied in hardware, the native GEMM takes small batches (decoding a few streams) only
-        rows = HARDWARE_BF16_NATIVE_ROWS if cpu_has_native_bf16() else None
-        packed = model.use_native_kernels(native, max_rows=rows) > 0
-    elif dtype == torch.float32 and (native := kernels.load()) is not None:
-        model.use_native_kernels(native)  # float32 projections read in place
-    if dtype != torch.float32 and not packed and _f32_copy_bytes(cfg) < _available_memory() // 4:
-        model.add_float32_copies()
+    native = kernels.load()
+    hardware = kernels.cpu_has_native_bf16()
+    # where bf16 is emulated and the native GEMM cannot read packed bf16 weights, float32 copies serve batched rows
+    # when memory allows (not beside a quantized head: its model is mostly blocks)
+    copies = (
+        dtype != torch.float32
+        and not (dtype == torch.bfloat16 and native is not None)
+        and model.lm_head.quant is None
+        and _f32_copy_bytes(cfg) < _available_memory() // 4
+    )
+    model.process_weights_after_loading(LoadContext(dtype, native, hardware, copies))
     ident = [__version__, cfg.to_dict(), str(dtype), context] + ([quant_label, sorted(kinds)] if quantized else [])
     fingerprint = "fp_" + hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return LoadedModel(model, tokenizer, cfg, name, str(src), dtype, context, fingerprint, quant_label)
@@ -294,10 +295,12 @@ def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True, quantization
         raise ModelLoadError(f"{src} is not a readable GGUF file: {exc}") from exc
     meta = reader.metadata
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    family = family_for_gguf(arch)
+    if family is None:
         raise ModelLoadError(
-            f"{src}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{src}: unsupported architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})"
         )
+    to_hf = {**_GGUF_TO_HF, **family.gguf_tensors}
 
     def m(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -322,10 +325,7 @@ def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True, quantization
         tie_word_embeddings="output.weight" not in names,
         name=derive_name(src),
     )
-    try:
-        check_no_sliding_window(cfg.name, m("attention.sliding_window"), cfg.max_position_embeddings)
-    except ValueError as exc:
-        raise ModelLoadError(f"{src}: {exc}") from None
+    family.read_gguf(cfg, m)
     if m("rope.scaling.type") == "linear":
         cfg.rope_scaling = {"type": "linear", "factor": m("rope.scaling.factor")}
     elif m("rope.scaling.type") not in (None, "none"):
@@ -350,11 +350,11 @@ def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True, quantization
             continue
         if parts[0] == "blk":
             layer, kind, suffix = parts[1], parts[2], parts[3]
-            if kind not in _GGUF_TO_HF:
+            if kind not in to_hf:
                 raise ModelLoadError(f"{src}: unexpected tensor {t.name!r}")
-            if arch == "llama" and kind in ("attn_q", "attn_k"):
+            if family.gguf_permuted_qk and arch == "llama" and kind in ("attn_q", "attn_k"):
                 w = _unpermute(w, heads if kind == "attn_q" else cfg.num_kv_heads)
-            name = f"model.layers.{layer}.{_GGUF_TO_HF[kind]}.{suffix}"
+            name = f"model.layers.{layer}.{to_hf[kind]}.{suffix}"
         elif t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
         elif t.name == "output_norm.weight":
@@ -366,5 +366,8 @@ def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True, quantization
         if isinstance(w, QuantWeight):
             tensors[name] = w
         else:
-            tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
+            w = np.array(w, dtype=np.float32)
+            if family.gguf_norm_offset and name.endswith("norm.weight"):
+                w = w + np.float32(family.gguf_norm_offset)  # llama.cpp stores Gemma's norms as 1 + w
+            tensors[name] = torch.from_numpy(w).to(dtype)
     return cfg, tokenizer, tensors

@@ -1,0 +1,131 @@
+"""What every decoder-only family shares: embeddings, a stack of layers, the final norm and the head, rope tables
+per layer kind, loading Hugging Face-named tensors, and choosing each layer's execution path once after loading.
+A family's file only builds its decoder layer (and says whether it can run as one native decode call)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from waferscale.models.config import ModelConfig, embed_scale
+from waferscale.models.layers.embedding import Embedding
+from waferscale.models.layers.linear import Linear, LoadContext, put
+from waferscale.models.layers.norm import RMSNorm
+from waferscale.models.layers.rotary import Rotary
+from waferscale.models.quant import QuantWeight
+
+# our fused projections and the checkpoint's tensors they are made of, in order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class CausalLM(nn.Module):
+    """Token ids in, hidden states out; `logits` turns chosen hidden rows into float32 vocabulary scores."""
+
+    norm_class: type[nn.Module] = RMSNorm
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, embed_scale(cfg))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, dtype, cfg.max_position_embeddings
+        )
+        self.rotary_local = None  # sliding layers' own rope base (Gemma 3)
+        if cfg.rope_local_theta is not None and any(cfg.window(i) for i in range(cfg.num_layers)):
+            self.rotary_local = Rotary(
+                cfg.head_dim, cfg.rope_local_theta, cfg.rope_local_scaling, max_positions, dtype,
+                cfg.max_position_embeddings,
+            )
+        self.requires_grad_(False)
+        # each layer's weights for the native whole-layer decode call, and the most rows it takes; None where the
+        # layers cannot run natively (set by process_weights_after_loading)
+        self.decode_layers: list | None = None
+        self.decode_rows: int | None = None
+
+    def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
+        """The family's decoder layer number `index`."""
+        raise NotImplementedError
+
+    def _ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin rows for these positions."""
+        rope = self.rotary(positions)
+        if self.rotary_local is None:
+            return [rope] * len(self.layers)
+        local = self.rotary_local(positions)
+        return [local if self.cfg.window(i) else rope for i in range(len(self.layers))]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        ropes = self._ropes(positions)
+        if (
+            self.decode_layers is not None
+            and h.dtype == torch.bfloat16
+            and (self.decode_rows is None or h.shape[0] <= self.decode_rows)
+            and kv.can_fuse_decode(h.shape[0], self.cfg.head_dim)
+        ):  # decode rows only: each layer is one native call, in place on h (the modules' kernels, bit for bit)
+            for i, weights in enumerate(self.decode_layers):
+                self.layers[i].decode_native(kv, i, h, ropes[i], weights)
+            return self.norm(h)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ropes[i], kv, i)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 scores over the vocabulary for hidden rows (soft-capped where the config says)."""
+        scores = self.lm_head.logits(hidden)
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
+        return scores
+
+    def process_weights_after_loading(self, ctx: LoadContext) -> int:
+        """Choose every layer's execution path (parents first, so a fused neighbour can claim its parts); returns
+        the bytes of packed weights and copies added."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "process_weights_after_loading"):
+                m.process_weights_after_loading(ctx)
+        added = sum(m.method.nbytes() for m in self.modules() if isinstance(m, Linear))
+        added += sum(m.nbytes() for m in self.modules() if hasattr(m, "gate_up_pairs"))
+        if ctx.kernels is not None and ctx.dtype == torch.bfloat16:
+            layers = [layer.decode_weights() for layer in self.layers]
+            self.decode_layers = None if None in layers else layers
+            self.decode_rows = ctx.native_rows
+        return added
+
+    def load_hf_state(self, tensors: dict[str, torch.Tensor | QuantWeight], dtype: torch.dtype) -> None:
+        """Take weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up; a QuantWeight entry (see
+        models/quant.py) is kept in its blocks."""
+
+        def take(name: str) -> torch.Tensor | QuantWeight:
+            if name not in tensors:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            value = tensors.pop(name)
+            return value if isinstance(value, QuantWeight) else value.to(dtype)
+
+        embed = take("model.embed_tokens.weight")
+        self.embed_tokens.load(embed, dtype)
+        for path, module in list(self.named_modules()):
+            if not path.startswith("layers."):
+                continue
+            prefix = f"model.{path}"
+            if isinstance(module, Linear):
+                owner, attr = prefix.rsplit(".", 1)
+                names = [f"{owner}.{n}" for n in FUSED.get(attr, (attr,))]
+                bias = torch.cat([take(f"{n}.bias") for n in names]) if module.bias is not None else None
+                module.load([take(f"{n}.weight") for n in names], bias, f"{owner}.{attr}")
+                continue
+            for pname, _ in module.named_parameters(recurse=False):
+                put(module, pname, take(f"{prefix}.{pname}"), f"{prefix}.{pname}")
+        put(self.norm, "weight", take("model.norm.weight"), "model.norm.weight")
+        if "lm_head.weight" in tensors and not self.cfg.tie_word_embeddings:
+            self.lm_head.load([take("lm_head.weight")], None, "lm_head.weight")
+        elif isinstance(embed, QuantWeight):
+            self.lm_head.load([embed], None, "lm_head.weight")  # the same blocks: one copy
+        else:
+            self.lm_head.weight = self.embed_tokens.weight
+        tensors.pop("lm_head.weight", None)

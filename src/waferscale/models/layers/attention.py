@@ -1,0 +1,229 @@
+"""Self-attention over the paged KV cache, reading the engine's pure-data batch plan (engine/kv_cache.PagedBatch):
+decode rows first (one query each, over their block tables), then prefill chunks (causal over their context). A
+layer may see only a sliding window of the latest positions, and may add a learned sink logit per head to each
+softmax's denominator."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from waferscale.models.layers.linear import Linear
+from waferscale.models.layers.rotary import apply_rope
+
+
+def _window_starts(plan, window: int | None) -> torch.Tensor | None:
+    """The first position each decode row attends to under a window (None: all from 0)."""
+    if window is None:
+        return None
+    key = ("starts", window)
+    starts = plan.cache.get(key)
+    if starts is None:
+        starts = plan.cache[key] = (plan.decode_lengths - window).clamp(min=0)
+    return starts
+
+
+def _decode_mask(plan, window: int | None, width: int) -> torch.Tensor:
+    """Boolean [B, 1, 1, width] of the positions each decode row sees (its length, and its window)."""
+    key = ("decode_mask", window)
+    mask = plan.cache.get(key)
+    if mask is None:
+        pos = torch.arange(width).unsqueeze(0)
+        allowed = pos < plan.decode_lengths.unsqueeze(1)
+        if window is not None:
+            allowed &= pos >= _window_starts(plan, window).unsqueeze(1)
+        mask = plan.cache[key] = allowed[:, None, None]
+    return mask
+
+
+def _prefill_mask(plan, n: int, start: int, rows: int, length: int, window: int | None, dtype) -> torch.Tensor | None:
+    """Additive mask (0 or -inf) of prefill chunk n's rows over its context; None where plain causal does."""
+    if not start and window is None:
+        return None
+    key = ("prefill_mask", n, window)
+    mask = plan.cache.get(key)
+    if mask is None:
+        row_pos = torch.arange(start, start + rows).unsqueeze(1)
+        pos = torch.arange(length).unsqueeze(0)
+        allowed = pos <= row_pos
+        if window is not None:
+            allowed &= pos > row_pos - window
+        mask = plan.cache[key] = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    return mask
+
+
+def _attend_with_sinks(q, keys, values, mask, scale: float, sinks: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """softmax([q K^T * scale, sink]) V without the sink's column, as transformers' eager gpt-oss attention.
+    q [B, H, T, D]; keys, values [B, KVH, L, D]; mask additive or boolean, broadcastable to [B, H, T, L]."""
+    if gqa:
+        rep = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    both = torch.cat([scores, sink], dim=-1)
+    both = both - both.amax(dim=-1, keepdim=True)
+    probs = F.softmax(both, dim=-1, dtype=both.dtype)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)
+
+
+def paged_attention(
+    plan,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Write this step's keys and values to their slots, then attend each row over its context (and window)."""
+    pool = plan.pool
+    kc, vc = pool.k[layer], pool.v[layer]
+    kc.index_copy_(0, plan.slots, k.to(kc.dtype))
+    vc.index_copy_(0, plan.slots, v.to(vc.dtype))
+    # whole blocks are gathered with index_select (contiguous rows): an order of magnitude faster than advanced
+    # indexing, which copies element by element
+    kb = kc.view(-1, pool.block_size * kc.shape[1] * kc.shape[2])
+    vb = vc.view(-1, pool.block_size * vc.shape[1] * vc.shape[2])
+    heads, dim = kc.shape[1], kc.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    out_dtype = q.dtype
+    q = q.to(kc.dtype)  # attention runs in the pool's dtype
+    out = torch.empty_like(q)
+    b = plan.num_decode
+    if b and plan.native is not None:
+        o = plan.native.paged_decode_attention(
+            q[:b].float().contiguous(),
+            kc,
+            vc,
+            plan.decode_tables,
+            plan.decode_lengths,
+            scale,
+            pool.block_size,
+            starts=_window_starts(plan, window),
+            sinks=None if sinks is None else sinks.float().contiguous(),
+        )
+        out[:b] = o.to(out.dtype)
+    elif b:
+        tables = plan.decode_tables
+        shape = (b, -1, heads, dim)
+        keys = kb.index_select(0, tables.flatten()).view(shape).transpose(1, 2)  # [B, kv_heads, L, head_dim]
+        values = vb.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
+        if window is None and sinks is None and plan.decode_mask is not None:
+            mask = plan.decode_mask
+        else:
+            mask = _decode_mask(plan, window, keys.shape[2])
+        qd = q[:b].unsqueeze(2)
+        if sinks is not None:
+            o = _attend_with_sinks(qd, keys, values, mask, scale, sinks, gqa)
+        else:
+            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[:b] = o.squeeze(2)
+    for n, (start_row, end_row, table, start_pos, length) in enumerate(plan.prefills):
+        keys = kb.index_select(0, table).view(-1, heads, dim)[:length].transpose(0, 1).unsqueeze(0)
+        values = vb.index_select(0, table).view(-1, heads, dim)[:length].transpose(0, 1).unsqueeze(0)
+        mask = _prefill_mask(plan, n, start_pos, end_row - start_row, length, window, kc.dtype)
+        qp = q[start_row:end_row].transpose(0, 1).unsqueeze(0)
+        if sinks is not None:
+            if mask is None:
+                mask = _prefill_mask(plan, n, start_pos, end_row - start_row, length, 1 << 62, kc.dtype)
+            o = _attend_with_sinks(qp, keys, values, mask, scale, sinks, gqa)
+        else:
+            o = F.scaled_dot_product_attention(
+                qp, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+            )
+        out[start_row:end_row] = o.squeeze(0).transpose(0, 1)
+    return out.to(out_dtype)
+
+
+def _decode_args(plan, layer: int, rope: tuple[torch.Tensor, torch.Tensor], rows: int) -> tuple:
+    """What the native decode calls take after their own input: rope rows, the layer's caches, the plan."""
+    cos, sin = rope
+    pool = plan.pool
+    return (cos.reshape(rows, -1), sin.reshape(rows, -1), pool.k[layer], pool.v[layer], plan.slots)
+
+
+def fused_decode_attention(plan, layer: int, qkv: torch.Tensor, rope, num_heads: int, scale: float) -> torch.Tensor:
+    """Decode rows only (plan.can_fuse_decode): rope, KV write and attention in one native call; qkv bf16
+    [B, (H + 2 KVH) D] in, attention output bf16 [B, H D]."""
+    return plan.native.decode_attention_bf16(
+        qkv.contiguous(),
+        *_decode_args(plan, layer, rope, qkv.shape[0]),
+        plan.decode_tables,
+        plan.decode_lengths,
+        num_heads,
+        scale,
+        plan.pool.block_size,
+    )
+
+
+def fused_decode_layer(plan, layer: int, h: torch.Tensor, rope, weights, num_heads: int, scale: float) -> None:
+    """A whole Llama-style decoder layer for decode rows only, in place on h (bf16 [B, E]); weights:
+    waferscale.kernels.DecodeLayerWeights."""
+    plan.native.decode_layer_bf16(
+        h,
+        weights,
+        *_decode_args(plan, layer, rope, h.shape[0]),
+        plan.decode_tables,
+        plan.decode_lengths,
+        num_heads,
+        scale,
+        plan.pool.block_size,
+    )
+
+
+class Attention(nn.Module):
+    """q/k/v fused in one projection, rope, paged attention, o_proj; optional per-head q/k RMSNorm before rope
+    (Qwen3, Gemma 3), a sliding window, and sink logits."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        scale: float | None = None,
+        window: int | None = None,
+        qk_norm: type[nn.Module] | None = None,
+        norm_eps: float = 1e-6,
+        sinks: bool = False,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.window = window
+        self.q_norm = qk_norm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = qk_norm(head_dim, norm_eps) if qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
+
+    @property
+    def plain(self) -> bool:
+        """Whether rope, KV write and attention can run as one native decode call (no norms, window or sinks)."""
+        return self.q_norm is None and self.window is None and self.sinks is None
+
+    def forward(self, x: torch.Tensor, rope, kv, layer: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Self-attention of x's rows, plus `residual` when given."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if self.plain and qkv.dtype == torch.bfloat16 and kv.can_fuse_decode(t, self.head_dim):
+            return self.o_proj(fused_decode_attention(kv, layer, qkv, rope, self.num_heads, self.scale), residual)
+        heads = self.num_heads + self.num_kv_heads
+        if self.q_norm is None:
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim), *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        out = paged_attention(kv, layer, q, k, v, self.scale, self.window, self.sinks)
+        return self.o_proj(out.reshape(t, self.q_size), residual)

@@ -1,0 +1,71 @@
+"""Gated feed-forward layers: down(act(gate(x)) * up(x)), with SiLU (Llama, Qwen) or tanh-GELU (Gemma)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from waferscale.kernels import pack_bf16_pairs
+from waferscale.models.layers.linear import Linear, LoadContext, TorchMethod, Unpacked, _meta, within
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class GatedMLP(nn.Module):
+    """gate and up fused in one projection (gate rows first); with SiLU and bf16 weights, both are packed in pairs
+    of panels so that one native pass gives silu(gate) * up."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
+        self.inter, self.act = intermediate_size, act
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.kernels = None
+        self.gate_up_pairs: torch.Tensor | None = None  # gate/up packed in pairs (silu only)
+        self.pair_rows: int | None = None  # batches of at most this many rows use gate_up_pairs (None: any)
+
+    def process_weights_after_loading(self, ctx: LoadContext) -> None:
+        """Pack bf16 gate/up in pairs where the native SiLU-and-multiply kernel applies; before the projections
+        choose their own methods (modules are visited parents first)."""
+        proj = self.gate_up_proj
+        if (
+            self.act != "silu"
+            or proj.quant is not None
+            or proj.weight.dtype != torch.bfloat16
+            or not ctx.packs_bf16()
+            or self.inter % 16
+        ):
+            return
+        self.kernels, self.pair_rows = ctx.kernels, ctx.native_rows
+        self.gate_up_pairs = pack_bf16_pairs(proj.weight.detach())
+        if self.pair_rows is None:  # every bf16 batch reads the pairs: they are the only copy kept
+            proj.weight, proj.method = _meta(proj.weight), Unpacked()
+        else:
+            proj.method = TorchMethod(proj.weight, proj.bias, ctx.hardware_bf16)
+
+    def decode_gate_up(self):
+        """gate/up as the whole-layer decode kernel reads it (packed pairs or quantized parts), or None."""
+        if self.act != "silu":
+            return None
+        if self.gate_up_pairs is not None:
+            return self.gate_up_pairs
+        return self.gate_up_proj.method.decode_weight() if self.gate_up_proj.quant is not None else None
+
+    def nbytes(self) -> int:
+        return 0 if self.gate_up_pairs is None else self.gate_up_pairs.numel() * 2
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down(act(gate(x)) * up(x)), plus `residual` when given."""
+        if self.gate_up_pairs is not None and x.dtype == torch.bfloat16 and within(x.shape[0], self.pair_rows):
+            act = self.kernels.linear_silu_mul_bf16(x, self.gate_up_pairs, self.inter)
+        else:
+            gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+            act = ACTIVATIONS[self.act](gate) * up
+        return self.down_proj(act, residual)

@@ -1,0 +1,109 @@
+"""Rotary position embeddings: inverse frequencies for each rope kind (default, linear, llama3, YaRN, GGUF
+frequency factors) and cos/sin tables computed as transformers computes them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "freq_factors")
+
+
+def _yarn(dim: int, base: float, scaling: dict[str, Any], max_positions: int):
+    """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between (transformers'
+    _compute_yarn_parameters), and its attention scaling factor."""
+    old_len = scaling.get("original_max_position_embeddings") or max_positions
+    factor = scaling.get("factor") or max_positions / old_len
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("attention_factor") is not None:
+        attention = scaling["attention_factor"]
+    elif mscale and mscale_all:
+        attention = get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
+    else:
+        attention = get_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    truncate = scaling.get("truncate", True)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    interpolated = 1.0 / (factor * pos_freqs)
+    return interpolated * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation, attention
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int = 0
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor for one rope kind."""
+    dim = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(dim, theta, scaling, max_positions)
+    if kind == "freq_factors":  # GGUF rope_freqs tensor: per-dimension divisors
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_KINDS)})")
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position up to the context length, computed as transformers does."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        max_positions: int,
+        dtype: torch.dtype,
+        model_max_positions: int = 0,
+    ):
+        super().__init__()
+        inv_freq, scale = rope_inv_freq(head_dim, theta, scaling, model_max_positions or max_positions)
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = (inv_freq[:, None].float() @ pos[None, :]).T
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scale).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows for these positions, shaped [T, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope (the Hugging Face weight layout) on x: [T, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
