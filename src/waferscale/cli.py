@@ -187,6 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on SIGTERM/SIGINT, how long in-flight requests may run before they end with an error (default 30)",
     )
+    serve.add_argument(
+        "--speculative",
+        choices=["ngram", "none"],
+        default="ngram",
+        help="speculative decoding: ngram (default) drafts each sequence's next tokens from its own prompt and output "
+        "(text being quoted, code being edited) and verifies them in one forward, with exactly the output of "
+        "decoding without it; a sequence whose drafts keep failing pauses, and a step with more than 4 sequences "
+        "decoding does not speculate. none: off",
+    )
+    serve.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=8,
+        metavar="K",
+        help="the most draft tokens a sequence verifies in one step (default 8; it adapts per sequence below that)",
+    )
     serve.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     serve.add_argument(
         "--enable-fault-injection",
@@ -313,6 +329,7 @@ def serve(args) -> None:
     from waferscale.api.pipeline import ServingContext
     from waferscale.api.server import create_app
     from waferscale.engine import AsyncEngine, LLMEngine
+    from waferscale.engine.speculation import SpeculativeConfig
     from waferscale.models.chat_template import ChatTemplate
 
     log = logging.getLogger("waferscale")
@@ -322,6 +339,10 @@ def serve(args) -> None:
     except KeyFileError as exc:
         print(f"waferscale: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    if args.num_speculative_tokens < 1:
+        print("waferscale: error: --num-speculative-tokens must be at least 1 (--speculative none turns it off)",
+              file=sys.stderr)
+        raise SystemExit(2)
     if args.replicas is not None:  # engine replicas on Ray Serve; Ray is imported only here
         from waferscale.scale.launch import serve_on_ray
 
@@ -336,6 +357,7 @@ def serve(args) -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_cache=not args.no_prefix_cache,
             queue_timeout=args.queue_timeout,
+            speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens),
         )
         return loaded, engine
 

@@ -25,6 +25,7 @@ from waferscale.engine.outputs import GenerationEvent
 from waferscale.engine.params import SamplingParams
 from waferscale.engine.scheduler import ScheduledBatch, Scheduler
 from waferscale.engine.sequence import Sequence
+from waferscale.engine.speculation import SpeculativeConfig
 from waferscale.kernels import cpu_has_native_bf16
 from waferscale.models.loader import LoadedModel
 
@@ -43,8 +44,10 @@ class LLMEngine:
         max_num_batched_tokens: int = 512,
         enable_prefix_cache: bool = True,
         queue_timeout: float | None = None,
+        speculative: SpeculativeConfig | None = None,
     ):
         self.loaded = loaded
+        speculative = speculative or SpeculativeConfig()
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
@@ -67,6 +70,7 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             queue_timeout=queue_timeout,
             max_model_len=self.max_model_len,
+            speculative=speculative,
         )
         self.runner = ModelRunner(self.model, self.pool, self.native, block_size)
         self.faults = FaultHooks()
@@ -80,6 +84,7 @@ class LLMEngine:
             self.runner.logits,
             self.scheduler.free,
             self.faults,
+            speculative.max_draft,
         )
         self.failed_steps = 0
         self._early_events: list[GenerationEvent] = []  # requests that ended before reaching the scheduler
@@ -145,6 +150,8 @@ class LLMEngine:
             preemptions=s.num_preemptions,
             queue_timeouts=s.num_timed_out,
             failed_steps=self.failed_steps,
+            speculative_draft_tokens=o.speculative_drafts,
+            speculative_accepted_tokens=o.speculative_accepted,
             ttft=o.ttft.snapshot(),
             itl=o.itl.snapshot(),
         )

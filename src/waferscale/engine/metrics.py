@@ -50,6 +50,8 @@ class EngineStats:
     preemptions: int = 0
     queue_timeouts: int = 0
     failed_steps: int = 0
+    speculative_draft_tokens: int = 0  # tokens the server's own speculation proposed (not a client's prediction)
+    speculative_accepted_tokens: int = 0  # and how many of them the model confirmed
     ttft: HistogramSnapshot | None = None  # arrival to first token
     itl: HistogramSnapshot | None = None  # between consecutive tokens of a sequence
 
@@ -61,4 +63,6 @@ class EngineStats:
         "preemptions",
         "queue_timeouts",
         "failed_steps",
+        "speculative_draft_tokens",
+        "speculative_accepted_tokens",
     )

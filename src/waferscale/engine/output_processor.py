@@ -33,8 +33,11 @@ class OutputProcessor:
         logits: Callable[[torch.Tensor], torch.Tensor],
         release: Callable[[Sequence], None],
         faults: FaultHooks,
+        max_draft: int = 8,
     ):
         self.tokenizer, self.eos_ids, self.grammars, self.native = tokenizer, eos_ids, grammars, native
+        self.max_draft = max_draft  # the most speculative drafts a step (their count adapts up to it)
+        self.speculative_drafts = self.speculative_accepted = 0
         self.max_model_len = max_model_len
         self.logits, self.release, self.faults = logits, release, faults
         self.generated_tokens = 0
@@ -97,8 +100,14 @@ class OutputProcessor:
             accepted += hit
             if not hit or seq.finished:
                 break
-        seq.accepted_prediction_tokens += accepted
-        seq.rejected_prediction_tokens += len(drafts) - accepted
+        if seq.params.prediction:  # the client's predicted output: reported in its usage
+            seq.accepted_prediction_tokens += accepted
+            seq.rejected_prediction_tokens += len(drafts) - accepted
+        else:  # the server's own speculation: reported in /metrics
+            self.speculative_drafts += len(drafts)
+            self.speculative_accepted += accepted
+            if seq.ngram is not None:
+                seq.ngram.update(len(drafts), accepted, self.max_draft)
         if seq.error is None:
             events.append(self.event(seq))
         return events

@@ -15,6 +15,7 @@ from waferscale.engine.block_manager import BlockManager
 from waferscale.engine.errors import ErrorKind, RequestError
 from waferscale.engine.prediction import MAX_DRAFT, propose
 from waferscale.engine.sequence import Sequence
+from waferscale.engine.speculation import NgramState, SpeculativeConfig
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Scheduler:
         max_num_batched_tokens: int = 512,
         queue_timeout: float | None = None,
         max_model_len: int = 1 << 30,
+        speculative: SpeculativeConfig | None = None,
     ):
         self.blocks = blocks
         self.block_size = blocks.block_size
@@ -48,6 +50,7 @@ class Scheduler:
         self.max_num_batched_tokens = max(max_num_batched_tokens, 1)
         self.queue_timeout = queue_timeout  # seconds a request may wait for its first admission
         self.max_model_len = max_model_len
+        self.speculative = speculative or SpeculativeConfig()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -87,12 +90,17 @@ class Scheduler:
         out = ScheduledBatch()
         budget = self.max_num_batched_tokens
         taken: set[int] = set()
+        decoding = [s for s in self.running if not s.finished and s.remaining == 1 and s.num_generated]
+        speculate = self.speculative.enabled and len(decoding) <= self.speculative.max_seqs
         for seq in list(self.running):
             if seq.finished or seq.remaining != 1 or not seq.num_generated or budget <= 0:
                 continue
             if seq not in self.running:  # preempted while making room for an older sequence
                 continue
-            drafts = self._drafts(seq, budget - 1) if seq.params.prediction else []
+            if seq.params.prediction:
+                drafts = self._drafts(seq, budget - 1)
+            else:
+                drafts = self._speculate(seq, budget - 1) if speculate else []
             if not self._ensure_blocks(seq, len(seq.token_ids) + len(drafts)):
                 continue  # seq itself was preempted
             taken.add(id(seq))
@@ -143,6 +151,21 @@ class Scheduler:
             seq.params.prediction, seq.output_ids, seq.prediction_anchor, k
         )
         return drafts
+
+    def _speculate(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens from seq's own prompt and output (n-gram lookup), within the budget, max_tokens and the
+        context."""
+        k = min(
+            self.speculative.max_draft,
+            budget,
+            seq.params.max_tokens - seq.num_generated - 1,
+            self.max_model_len - len(seq.token_ids),
+        )
+        if k <= 0:
+            return []
+        if seq.ngram is None:
+            seq.ngram = NgramState()
+        return seq.ngram.propose(seq.token_ids, k)
 
     def settle_drafts(self, seq: Sequence) -> None:
         """After verification: only the accepted drafts' keys and values count (the rest are overwritten later)."""

@@ -52,6 +52,7 @@ class Sequence:
     prediction_anchor: tuple[int, int] = (0, 0)  # see prediction.propose
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    ngram: Any = None  # speculation.NgramState: its n-gram index and draft count, once it speculates
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -72,6 +72,8 @@ def serve_on_ray(args, api_keys: list[str]) -> None:
             queue_timeout=args.queue_timeout,
             threads=threads,
             quantization=args.quantization,
+            speculative=args.speculative,
+            num_speculative_tokens=args.num_speculative_tokens,
         )
         quiet = LoggingConfig(enable_access_log=False)  # a log line per call costs CPU; the plain server has none
         chooser = {"request_router_class": AffinityRouter} if args.routing == "affinity" else {}

@@ -30,6 +30,8 @@ class EngineSettings:
     queue_timeout: float
     threads: int
     quantization: str = "auto"
+    speculative: str = "ngram"
+    num_speculative_tokens: int = 8
 
 
 class EngineReplica:
@@ -41,6 +43,7 @@ class EngineReplica:
         from ray import serve
 
         from waferscale.cli import _in_passing_thread
+        from waferscale.engine.speculation import SpeculativeConfig
         from waferscale.models import load_model
 
         torch.set_num_threads(settings.threads)
@@ -60,6 +63,7 @@ class EngineReplica:
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 enable_prefix_cache=settings.enable_prefix_cache,
                 queue_timeout=settings.queue_timeout,
+                speculative=SpeculativeConfig(settings.speculative, settings.num_speculative_tokens),
             )
             return loaded, engine
 

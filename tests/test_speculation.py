@@ -1,0 +1,99 @@
+"""Speculative decoding by n-gram lookup: drafts from a sequence's own prompt and output, verified in one forward;
+the output is exactly the output without speculation (float32: tokens, logprobs, seeded samples)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import MODEL
+
+from waferscale.engine import LLMEngine, SamplingParams
+from waferscale.engine.speculation import NgramState, SpeculativeConfig
+
+DOC = (
+    "The committee met on Tuesday to review the budget. The chair noted that spending on roads rose by twelve "
+    "percent, while spending on parks fell by three percent. Members asked for a full report by Friday."
+)
+GROUNDED = f"<|im_start|>user\nRepeat the following text exactly:\n{DOC}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_longest_earlier_suffix_proposes_what_followed_it():
+    state = NgramState()
+    tokens = [1, 2, 3, 4, 5, 9, 9, 2, 3, 4]
+    assert state.propose(tokens, 3) == [5, 9, 9]  # [2, 3, 4] occurred before, followed by 5, 9, 9
+
+
+def test_the_latest_occurrence_wins_and_nothing_is_proposed_without_one():
+    state = NgramState()
+    assert state.propose([7, 8, 1, 7, 8, 2, 7, 8], 1) == [2]
+    assert NgramState().propose([1, 2, 3, 4], 4) == []
+
+
+def test_drafts_grow_after_full_acceptance_and_pause_after_misses():
+    state = NgramState(k=4)
+    state.update(proposed=4, accepted=4, max_k=8)
+    assert state.k == 8
+    state.update(proposed=8, accepted=2, max_k=8)
+    assert state.k == 3
+    state.update(proposed=3, accepted=0, max_k=8)
+    state.update(proposed=1, accepted=0, max_k=8)
+    assert state.pause == 4 and state.propose([1, 2, 1, 2], 4) == []  # paused: nothing proposed
+    assert state.pause == 3
+
+
+def test_an_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="unknown speculative method 'medusa'"):
+        SpeculativeConfig("medusa")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from waferscale.models import load_model
+
+    return load_model(None, dtype="float32", progress=False)
+
+
+def _generate(loaded, method: str, params: SamplingParams, prompt: str = GROUNDED):
+    engine = LLMEngine(loaded, kv_cache_bytes=32 << 20, speculative=SpeculativeConfig(method))
+    engine.add_request("r", loaded.tokenizer.encode(prompt), params)
+    tokens, logprobs, steps = [], [], 0
+    while engine.has_work():
+        steps += 1
+        for ev in engine.step():
+            tokens += ev.token_ids
+            logprobs += [lp.logprob for lp in ev.logprobs]
+    return tokens, logprobs, steps, engine.stats()
+
+
+def test_greedy_output_and_logprobs_are_those_without_speculation_in_fewer_steps(loaded):
+    params = SamplingParams(max_tokens=48, temperature=0, logprobs=0)
+    off, off_lp, off_steps, _ = _generate(loaded, "none", params)
+    on, on_lp, on_steps, stats = _generate(loaded, "ngram", params)
+    assert on == off and len(on) > 20
+    assert max(abs(a - b) for a, b in zip(on_lp, off_lp)) < 1e-5
+    assert stats.speculative_accepted_tokens > 10 and on_steps < off_steps * 0.7
+
+
+def test_a_seeded_sample_is_the_same_text_with_speculation(loaded):
+    params = SamplingParams(max_tokens=40, temperature=0.9, seed=11)
+    assert _generate(loaded, "ngram", params)[0] == _generate(loaded, "none", params)[0]
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(loaded):
+    params = SamplingParams(max_tokens=48, temperature=0, stop=["roads"])
+    off, on = _generate(loaded, "none", params)[0], _generate(loaded, "ngram", params)[0]
+    assert on == off and loaded.tokenizer.decode(on).endswith("roads")  # the token reaching the stop is the last
+
+
+def test_the_server_speculates_by_default_and_reports_it_in_metrics(http):
+    body = {"model": MODEL, "prompt": GROUNDED, "max_tokens": 40, "temperature": 0}
+    before = _counter(http, "waferscale_speculative_accepted_tokens")
+    assert http.post("/v1/completions", json=body).status_code == 200
+    assert _counter(http, "waferscale_speculative_accepted_tokens") > before
+
+
+def _counter(http: httpx.Client, name: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
