@@ -83,7 +83,9 @@ def assembled_model_path(model: ChunkedModel) -> Path:
                 f"{model.file} is not installed (the package {package} is missing): {model.install_hint()}"
             )
         if not (folder / chunk).is_file():
-            raise ModelLoadError(f"{model.file}: the chunk {folder / chunk} is missing; {model.install_hint()}")
+            raise ModelLoadError(
+                f"{model.file}: the chunk {folder / chunk} is missing; {model.install_hint()}"
+            )
         chunks.append(folder / chunk)
     return assemble_chunks(chunks, cache_root() / "models" / model.file, model.sha256)
 
