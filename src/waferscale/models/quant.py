@@ -2,11 +2,12 @@
 linear and embedding modules that serve from them (kernels/quant_kernels.c), with no float copy kept.
 
 A weight [N, K] is scale * q + min per group of `group` weights along K:
-  int8: q one signed byte (Q8_0, Q6_K, --quantization int8) or one unsigned byte 0..127 (Q5_K's 5-bit values);
+  int8: q one signed byte (Q8_0, Q6_K, Q5_0's values less 16, --quantization int8) or one unsigned byte 0..127
+        (Q5_K's and Q5_1's 5-bit values);
   int4: q one nibble 0..15, two a byte (Q4_0, Q4_1, Q4_K, --quantization int4).
 Scales and mins are [N, K / group] in one of three formats (QuantWeight.scale_format); mins may be absent
-(symmetric): float32 (--quantization int8, and int4 where K is not a multiple of 256); float16 as Q8_0, Q4_0 and
-Q4_1 store them; or two levels as GGUF's K-quants store them (and int4 where K allows): bytes [N, K / group] times a
+(symmetric): float32 (--quantization int8, and int4 where K is not a multiple of 256); float16 as Q8_0, Q4_0,
+Q4_1, Q5_0 and Q5_1 store them; or two levels as GGUF's K-quants store them (and int4 where K allows): bytes [N, K / group] times a
 float32 per 256 weights (sup, supm [N, K / 256]). The kernels widen or multiply them out where they use them (the
 same float32 value: an f16 times a 6- or 8-bit integer is exact), so a Q4_K weight costs 0.59 bytes instead of
 0.75. Every GGUF value decodes to exactly what gguf.quants.dequantize gives.
@@ -34,7 +35,7 @@ _DEQUANT_TILE = 1 << 21
 # log-probabilities by 0.08 nats, four times the accuracy bar for int8 weights, scripts/quant_accuracy.py); auto
 # (the default) rounds them, as llama.cpp does, where the float32 path is bound by widening the weights: per 256 for
 # the two-level layouts (Q4_K, Q5_K, Q6_K, int4) below 16 rows, per 32 for 8-bit blocks (Q8_0, int8: within the
-# 0.02 nats bar) below 12 rows; float32 for Q4_0, Q4_1 and larger batches. WAFERSCALE_QUANT_ACTIVATIONS=float32|int8|auto chooses.
+# 0.02 nats bar; Q5_0 too) below 12 rows; float32 for Q4_0, Q4_1, Q5_1 and larger batches. WAFERSCALE_QUANT_ACTIVATIONS=float32|int8|auto chooses.
 ACTIVATION_MODES = {"float32": 0, "int8": 1, "auto": 2}
 _act_name = os.environ.get("WAFERSCALE_QUANT_ACTIVATIONS", "auto")
 if _act_name not in ACTIVATION_MODES:
@@ -301,6 +302,14 @@ def from_gguf(data: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | None
         return QuantWeight(
             qweight, torch.from_numpy(d.reshape(n, -1)), torch.from_numpy(mins.reshape(n, -1)), 4, 32, False
         )
+    if kind in ("Q5_0", "Q5_1"):  # d (, m) f16, qh: bit j of a uint32 is q[j]'s fifth, 16 bytes of nibbles as Q4_*
+        qh, qs = (b[:, 2:6], b[:, 6:]) if kind == "Q5_0" else (b[:, 4:8], b[:, 8:])
+        hi = np.ascontiguousarray(qh).view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [blocks, 32]
+        lo = qs.reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)  # q[j], q[j + 16]
+        q = ((lo & 15).reshape(-1, 32) | ((hi & 1).astype(np.uint8) << 4)).reshape(n, k)
+        if kind == "Q5_0":  # d * (q - 16): a signed byte -16..15 and its float16 scale, Q8_0's layout
+            return _weight(q.astype(np.int8) - np.int8(16), _h(b[:, :2]), None, 8, 32, signed=True)
+        return _weight(q, _h(b[:, :2]), _h(b[:, 2:4]), 8, 32)  # d * q + m: a byte 0..31, float16 scale and min
     if kind in ("Q4_K", "Q5_K"):  # d, dmin f16, 12 bytes of 6-bit scales/mins, (qh,) qs
         d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
         sc, m = _k_scale_min(b[:, 4:16])  # scale = d * sc, min = -dmin * m: kept as two levels
