@@ -1,4 +1,4 @@
-/* Weight-only quantized linear layers: y = x W^T for W held as integer blocks (see waferscale/models/quant.py).
+/* Weight-only quantized linear layers: y = x W^T for W held as integer blocks (see waferscale/models/quant/).
  *
  * Two layouts cover every GGUF format we serve, losslessly:
  *   int8: one byte per weight, signed (Q8_0, Q6_K, Q5_0 less 16, --quantization int8) or unsigned 0..127 (Q5_K's
