@@ -7,8 +7,9 @@ import hashlib
 
 import pytest
 
+from waferscale.models.chat_template import ChatTemplate
 from waferscale.models.gguf_file import read_gguf_file
-from waferscale.models.gguf_vocab import merges_from_vocab
+from waferscale.models.gguf_vocab import eos_token_ids, merges_from_vocab
 from waferscale.models.source import GEMMA3_270M, model_source
 from waferscale.models.tokenizer import ModelTokenizer
 
@@ -94,6 +95,29 @@ def test_gemma_end_of_turn_ends_generation(gemma_tokenizers):
     ours, theirs = gemma_tokenizers
     end_of_turn = theirs.convert_tokens_to_ids("<end_of_turn>")
     assert set(ours.eos_token_ids) == {theirs.eos_token_id, end_of_turn}
+
+
+def test_a_gemma_chat_prompt_from_the_default_template_is_tokenized_as_transformers_does(gemma_tokenizers):
+    ours, theirs = gemma_tokenizers
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And  3 + 3?\n"},
+    ]
+    text = ChatTemplate.for_tokenizer(ours).render(messages)
+    ids = ours.tokenizer.encode(text, add_special_tokens=False).ids  # as the chat endpoint encodes a prompt
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    assert ids[:2] == [2, theirs.convert_tokens_to_ids("<start_of_turn>")] and ids.count(2) == 1
+
+
+def test_only_a_control_token_that_ends_a_turn_ends_generation():
+    meta = {
+        "tokenizer.ggml.tokens": ["<pad>", "<eos>", "<end_of_turn>", "<|im_end|>"],
+        "tokenizer.ggml.token_type": [3, 3, 3, 1],  # <|im_end|> as plain text here
+        "tokenizer.ggml.eos_token_id": 1,
+    }
+    assert eos_token_ids(meta) == [1, 2]
 
 
 def test_gemma_ids_decode_to_transformers_text(gemma_tokenizers):
