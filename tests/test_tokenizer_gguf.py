@@ -4,6 +4,7 @@ real Gemma 3 270M (the gemma3 extra) and a small Llama-style vocabulary written 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 
@@ -220,6 +221,14 @@ def test_a_llama_sentencepiece_vocabulary_gives_transformers_ids(small_gguf, tex
     ours = ModelTokenizer.from_gguf_metadata(read_gguf_file(small_gguf).metadata)
     assert ours.encode(text) == theirs.encode(text)
     assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text), skip_special_tokens=True)
+
+
+def test_a_llama_sentencepiece_vocabulary_is_transformers_tokenizer(small_gguf):
+    from transformers import LlamaTokenizer
+
+    theirs = LlamaTokenizer.from_pretrained(str(small_gguf.parent), gguf_file=small_gguf.name)
+    ours = ModelTokenizer.from_gguf_metadata(read_gguf_file(small_gguf).metadata)
+    assert json.loads(ours.tokenizer.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
 
 
 def test_a_llama_vocabulary_prefixes_one_space_and_adds_bos_when_the_file_is_silent(small_gguf):

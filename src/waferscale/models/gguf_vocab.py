@@ -143,13 +143,14 @@ def sentencepiece_bpe(meta: dict[str, Any]) -> Tokenizer:
         merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
     else:
         merges = merges_from_vocab(vocab, ranks)
+    gemma = arch in GEMMA_ARCHITECTURES
+    # the unknown token as GemmaTokenizer and LlamaTokenizer set it (byte fallback spells everything else)
+    unk = "<unk>" if gemma else None
     tok = Tokenizer(
-        models.BPE(
-            vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True, dropout=None
-        )
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None)
     )
     fallback = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    if arch in GEMMA_ARCHITECTURES:
+    if gemma:
         tok.normalizer = normalizers.Replace(" ", SPACE)
         tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
         tok.decoder = decoders.Sequence(fallback)
