@@ -136,7 +136,7 @@ def test_a_saved_gemma_tokenizer_loads_with_the_same_ids(gemma_tokenizers, tmp_p
     assert again.eos_token_ids == ours.eos_token_ids
 
 
-# A small SentencePiece vocabulary in the Llama 2 / Mistral layout: <unk> <s> </s>, 256 byte tokens, pieces scored
+# A small SentencePiece vocabulary in the Llama 2 / Mistral (and Phi-3) layout: <unk> <s> </s>, 256 byte tokens, pieces scored
 # best first, two control tokens and a user-defined one.
 PIECES = [
     "\u2581",
@@ -188,17 +188,17 @@ SMALL_TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def small_gguf(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "phi3"])  # phi3: the space prefix from a normalizer
+def small_gguf(request, tmp_path_factory):
     import gguf
 
-    folder = tmp_path_factory.mktemp("spm")
+    folder = tmp_path_factory.mktemp(f"spm-{request.param}")
     path = folder / "small-spm.gguf"
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + PIECES
     tokens += ["[INST]", "[/INST]", "<tool>"]
     types = [2, 3, 3] + [6] * 256 + [1] * len(PIECES) + [3, 3, 4]
     scores = [0.0] * 259 + [-float(i) for i in range(len(PIECES))] + [0.0] * 3
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), request.param)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
