@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from waferscale.engine.kv_cache import KVPool, PagedBatch, prefill_batch
-from waferscale.models import builtin_model_path, load_model, quant
+from waferscale.models import builtin_model_path, load_model
 from waferscale.models.loader import _converted_gguf
+from waferscale.models.quant import modules as quant  # QuantLinear's module: ACT_MODE set here reaches it
 
 PROMPTS = [
     "The capital of France is",

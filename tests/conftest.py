@@ -135,6 +135,14 @@ def hf_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """The real Gemma 3 270M GGUF (the gemma3 extra, which `make install` installs), assembled in the test cache."""
+    from waferscale.models.source import builtin_model_path
+
+    return builtin_model_path("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
 def hf_reference():
     """The reference model: transformers' float32 load of the same GGUF file. It runs on one thread: the tests'
     servers share the machine's cores, and an OpenMP team that loses a core to them stalls at every barrier (a

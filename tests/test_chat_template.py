@@ -16,6 +16,7 @@ from pathlib import Path
 import jinja2
 import pytest
 from tokenizers import AddedToken, Tokenizer
+from tokenizers.models import BPE
 
 import waferscale.models.tokenizer as tokenizer_module
 from waferscale.models import builtin_model_path
@@ -485,3 +486,72 @@ def test_none_values_dropped_and_input_untouched():
     messages = [{"role": "assistant", "content": None, "name": None}]
     assert t.render(messages) == "False,1;"
     assert messages == [{"role": "assistant", "content": None, "name": None}]
+
+
+# ---------------------------------------------------------------- a model that ships no template
+
+# Gemma 3's instruct template, verbatim (the chat_template of google/gemma-3-*-it, as the ggml-org/gemma-3-1b-it-GGUF
+# and gemma-3-12b-it-GGUF files carry it): the reference for the default given to Gemma models that ship none.
+GEMMA3_IT_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n    {%- endif -%}\n"
+    '    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = "" -%}\n'
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\\n'}}\n{%- endif -%}\n"
+)
+
+
+def untemplated_tokenizer(architecture: str) -> ModelTokenizer:
+    """A tokenizer whose model ships no chat template (a base model's GGUF)."""
+    extra = {"special_tokens": {"bos_token": "<bos>"}, "architecture": architecture}
+    info = tokenizer_module.TokenizerInfo(eos_token_ids=[1], bos_token_id=2, extra=extra)
+    return ModelTokenizer(Tokenizer(BPE()), info)
+
+
+@pytest.mark.parametrize(
+    "messages", [SYSTEM_USER, MULTI_TURN, MULTI_TURN[1:]], ids=["system", "multi-turn", "no-system"]
+)
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_a_gemma_model_without_a_template_gets_the_turns_gemmas_own_template_writes(
+    messages, generation_prompt
+):
+    ours = ChatTemplate.for_tokenizer(untemplated_tokenizer("gemma3"))
+    gemma = ChatTemplate(GEMMA3_IT_TEMPLATE, bos_token="<bos>")
+    text = ours.render(messages, add_generation_prompt=generation_prompt)
+    assert text == gemma.render(messages, add_generation_prompt=generation_prompt)
+    assert text.startswith("<bos><start_of_turn>user\n")
+
+
+def test_the_gemma_default_folds_the_system_message_into_the_first_user_turn():
+    text = ChatTemplate.for_tokenizer(untemplated_tokenizer("gemma3")).render(SYSTEM_USER)
+    assert (
+        text
+        == "<bos><start_of_turn>user\nYou are terse.\n\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
+def test_the_gemma_default_renders_roles_out_of_turn_as_user_turns():
+    messages = [*MULTI_TURN, {"role": "user", "content": "Another."}, {"role": "tool", "content": "42"}]
+    text = ChatTemplate.for_tokenizer(untemplated_tokenizer("gemma")).render(messages)
+    assert text.endswith(
+        "<start_of_turn>user\nAnother.<end_of_turn>\n"
+        "<start_of_turn>user\n<tool_response>\n42\n</tool_response><end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2", "qwen3", ""])
+def test_other_families_without_a_template_get_chatml(architecture):
+    t = ChatTemplate.for_tokenizer(untemplated_tokenizer(architecture))
+    assert t.source == DEFAULT_CHATML and t.is_default

@@ -1,6 +1,6 @@
-"""Quantized weights: every GGUF format decodes exactly, the integer kernels match a float reference (AVX2 and the
-portable path), GGUF Q8_0/Q4_K files load and answer from their blocks, and --quantization int8 keeps greedy
-tokens."""
+"""Quantized weights: every GGUF format decodes exactly (the real Gemma 3 270M's too), the integer kernels match a
+float reference (AVX2 and the portable path), GGUF Q8_0/Q4_K/Q5_0 files load and answer from their blocks, and
+--quantization int8 keeps greedy tokens."""
 
 from __future__ import annotations
 
@@ -23,12 +23,14 @@ from waferscale.models.quant import QuantLinear, QuantWeight, from_gguf, quantiz
 
 native = kernels.load()
 needs_native = pytest.mark.skipif(native is None, reason="native kernels could not be built here")
-FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 # bytes of each block and where its float16 fields lie (the rest: random bytes are valid quantized values)
 _LAYOUT = {
     "Q8_0": (34, [0]),
     "Q4_0": (18, [0]),
     "Q4_1": (20, [0, 2]),
+    "Q5_0": (22, [0]),
+    "Q5_1": (24, [0, 2]),
     "Q4_K": (144, [0, 2]),
     "Q5_K": (176, [0, 2]),
     "Q6_K": (210, [208]),
@@ -63,9 +65,34 @@ def test_every_gguf_format_decodes_exactly(kind):
         assert torch.equal(native.qdequant(w, slice(5, 9)), want[5:9])
 
 
-# bytes a weight of our layouts: Q8_0/Q4_0/Q4_1 keep their float16 scales (and mins), the K-quants their two levels
-# (a byte per group, a float32 per 256 weights); values take a byte, or a nibble for the 4-bit formats
-BYTES_A_WEIGHT = {"Q8_0": 1.0625, "Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.59375, "Q5_K": 1.09375, "Q6_K": 1.078125}
+def test_the_real_gemma_files_blocks_decode_exactly(gemma3_gguf):
+    """The real Gemma 3 270M's first layer, which holds each of its formats (Q4_K, Q5_0, Q6_K, Q8_0), decodes as
+    gguf.quants decodes it."""
+    kinds = set()
+    for t in read_gguf_file(gemma3_gguf).tensors:
+        if not t.name.startswith("blk.0.") or len(t.shape) != 2:
+            continue
+        n, k = int(t.shape[1]), int(t.shape[0])
+        w = from_gguf(np.asarray(t.data), t.tensor_type.name, n, k)
+        assert w is not None, (t.name, t.tensor_type.name)
+        want = reference(t.tensor_type.name, np.asarray(t.data)).reshape(n, k)
+        assert torch.equal(w.dequantize(), want), t.name
+        kinds.add(t.tensor_type.name)
+    assert kinds == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+
+
+# bytes a weight of our layouts: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 keep their float16 scales (and mins), the K-quants their two
+# levels (a byte per group, a float32 per 256 weights); values take a byte, or a nibble for the 4-bit formats
+BYTES_A_WEIGHT = {
+    "Q8_0": 1.0625,
+    "Q4_0": 0.625,
+    "Q4_1": 0.625,
+    "Q5_0": 1.0625,
+    "Q5_1": 1.125,
+    "Q4_K": 0.59375,
+    "Q5_K": 1.09375,
+    "Q6_K": 1.078125,
+}
 
 
 @pytest.mark.parametrize("kind", FORMATS)
@@ -153,9 +180,9 @@ def test_integer_kernel_matches_float_reference(kind):
     _check_matmul(w, dense, native)
 
 
-# every layout the float32 kernels specialise on: int8 signed g32 (Q8_0), int8 signed g16 (Q6_K), int8 unsigned with
-# mins (Q5_K), int4 with mins (Q4_1), int4 symmetric-looking Q4_0 (mins -8 d)
-LAYOUTS = {"Q8_0": 608, "Q6_K": 768, "Q5_K": 768, "Q4_1": 608, "Q4_0": 96}
+# every layout the float32 kernels specialise on: int8 signed g32 (Q8_0, Q5_0), int8 signed g16 (Q6_K), int8 unsigned
+# with mins (Q5_K two-level, Q5_1 float16), int4 with mins (Q4_1), int4 symmetric-looking Q4_0 (mins -8 d)
+LAYOUTS = {"Q8_0": 608, "Q5_0": 608, "Q6_K": 768, "Q5_K": 768, "Q5_1": 608, "Q4_1": 608, "Q4_0": 96}
 
 
 def _check_layouts(lib, rows_list=(1, 3, 5, 8, 33)) -> None:
@@ -295,15 +322,21 @@ def write_tiny_gguf(path, kinds: dict[str, str]) -> None:
     writer.close()
 
 
+TINY_LAYERS = {
+    # q, k, o, gate, up in Q4_K, v in Q6_K (two parts of qkv), down in Q5_K
+    "k-quants": {k: "Q4_K" for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
+    | {"attn_v": "Q6_K", "ffn_down": "Q5_K"},
+    # Q5_0 (a signed byte and a float16 scale) beside Q8_0 in qkv, Q5_1 (a byte, float16 scale and min) for down
+    "q5": {k: "Q5_0" for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")} | {"ffn_down": "Q5_1"},
+}
+
+
 @pytest.mark.parametrize(
     "name,kinds",
     [
         ("Q8_0", {}),
-        (
-            "Q4_K",
-            {k: "Q4_K" for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
-            | {"attn_v": "Q6_K", "ffn_down": "Q5_K"},
-        ),
+        ("Q4_K", TINY_LAYERS["k-quants"]),
+        ("Q5", TINY_LAYERS["q5"]),
     ],
 )
 def test_quantized_gguf_loads_and_answers_from_its_blocks(tmp_path, monkeypatch, name, kinds):
@@ -333,25 +366,24 @@ def test_quantized_gguf_loads_and_answers_from_its_blocks(tmp_path, monkeypatch,
     assert ((a - b).norm() / b.norm()) < 0.03
 
 
-@pytest.fixture(scope="module")
-def tiny_k_quants(tmp_path_factory):
-    """The tiny GGUF with q, k, o, gate, up in Q4_K, v in Q6_K (two parts of qkv), down in Q5_K, served in bf16."""
-    tmp = tmp_path_factory.mktemp("k_quants")
+@pytest.fixture(scope="module", params=list(TINY_LAYERS))
+def tiny_quantized(request, tmp_path_factory):
+    """The tiny GGUF with its projections in the formats TINY_LAYERS names, served in bf16."""
+    tmp = tmp_path_factory.mktemp(request.param)
     path = tmp / "tiny.gguf"
-    kinds = {k: "Q4_K" for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
-    write_tiny_gguf(path, kinds | {"attn_v": "Q6_K", "ffn_down": "Q5_K"})
+    write_tiny_gguf(path, TINY_LAYERS[request.param])
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WAFERSCALE_CACHE_DIR", str(tmp / "cache"))
         return load_model(path, dtype="bfloat16", quantization="auto", progress=False)
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [2, 7, 17])  # the K-quants' integer path at 2 and 7 rows; the float32 panels at 17
-def test_whole_layer_decode_call_matches_the_quantized_modules_bit_for_bit(tiny_k_quants, rows):
+@pytest.mark.parametrize("rows", [2, 7, 17])  # the integer paths at 2 and 7 rows; the float32 panels at 17
+def test_whole_layer_decode_call_matches_the_quantized_modules_bit_for_bit(tiny_quantized, rows):
     """Quantized projections run in the one-call decode layer too, bit for bit as the modules."""
     from test_kernels import whole_layer_against_modules
 
-    loaded = tiny_k_quants
+    loaded = tiny_quantized
     assert isinstance(loaded.model.decode_layers[0].qkv, list)
     lengths = torch.tensor([1, 16, 17, 90, 3, 40, 8, 5, 2, 33, 64, 7, 11, 1, 20, 9, 12])[:rows]
     whole_layer_against_modules(loaded.model, loaded.config, lengths)

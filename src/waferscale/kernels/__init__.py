@@ -26,7 +26,7 @@ import torch  # imported first: its libgomp.so.1 is then the OpenMP runtime our 
 
 log = logging.getLogger("waferscale.kernels")
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")  # int8/int4 weight-only GEMMs (models/quant.py)
+QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")  # int8/int4 weight-only GEMMs (models/quant/)
 # -ffast-math at compile time only (vectorised expf, reassociated sums): linking with it would add crtfastmath.o,
 # whose constructor turns on flush-to-zero for the whole process
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]

@@ -1,11 +1,13 @@
-/* Weight-only quantized linear layers: y = x W^T for W held as integer blocks (see waferscale/models/quant.py).
+/* Weight-only quantized linear layers: y = x W^T for W held as integer blocks (see waferscale/models/quant/).
  *
  * Two layouts cover every GGUF format we serve, losslessly:
- *   int8: one byte per weight, signed (Q8_0, Q6_K, --quantization int8) or unsigned 0..127 (Q5_K's 5-bit values),
+ *   int8: one byte per weight, signed (Q8_0, Q6_K, Q5_0 less 16, --quantization int8) or unsigned 0..127 (Q5_K's
+ *         and Q5_1's 5-bit values),
  *         a scale per group of G = 16, 32 or 64 weights along K, and optionally a min per group;
  *   int4: two weights per byte (each 32-weight block: 16 bytes, byte j holding weight j in its low nibble and
  *         weight j + 16 in its high one, as GGUF's Q4_0/Q4_1 do), unsigned 0..15, a scale and a min per group.
- * Scales and mins are float32, float16 (Q8_0, Q4_0, Q4_1 as GGUF stores them) or two-level (the K-quants: sc_t).
+ * Scales and mins are float32, float16 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 as GGUF stores them) or two-level (the
+ * K-quants: sc_t).
  * A weight is scale * q + min. Three ways to multiply (qgemm's act: ACT_*):
  *   float32 activations (the default): x as it is (bf16 widened), two paths by batch size (see below): for a few
  *       rows, weights widened to float32 q in registers, each block's sum scaled once; for PANEL_ROWS rows or more,

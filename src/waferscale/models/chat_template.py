@@ -20,8 +20,12 @@ The reference is `transformers`' `apply_chat_template` (read in `transformers/ut
 
 What transformers does not do, and we add on top:
 
-* A model without a chat template gets `DEFAULT_CHATML` (ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per
-  message, then `<|im_start|>assistant\\n` for the generation prompt).
+* A model without a chat template (a base model's GGUF or folder) gets its family's default,
+  `default_chat_template(architecture)`: Gemma's turn markers for Gemma (`DEFAULT_GEMMA`: `<bos>`, then
+  `<start_of_turn>user\\n{content}<end_of_turn>\\n` per message, `model` for the assistant, a system message
+  folded into the first user turn as Gemma's own template does, then `<start_of_turn>model\\n` for the generation
+  prompt), ChatML for every other family (`DEFAULT_CHATML`: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per
+  message, then `<|im_start|>assistant\\n`). Unlike Gemma's own template, the default accepts any order of roles.
 * A `developer` message becomes a `system` message unless the template itself knows the role.
 * Where the template fails on a message whose content is null (transformers drops the key, and templates such
   as Qwen3's read an assistant turn's content as text even when it only holds tool calls), the conversation is
@@ -74,7 +78,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 if TYPE_CHECKING:
     from waferscale.models.tokenizer import ModelTokenizer
 
-__all__ = ["DEFAULT_CHATML", "ChatTemplate", "TemplateError", "fallback_tools_block"]
+__all__ = [
+    "DEFAULT_CHATML",
+    "DEFAULT_GEMMA",
+    "ChatTemplate",
+    "TemplateError",
+    "default_chat_template",
+    "fallback_tools_block",
+]
 
 
 class TemplateError(Exception):
@@ -89,6 +100,32 @@ DEFAULT_CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 """The template for models that ship none: ChatML, with the assistant header as generation prompt."""
+
+DEFAULT_GEMMA = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set first_user_prefix = (messages[0]['content'] if messages[0]['content'] is string else '') + '\\n\\n' %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\\n'"
+    " + (first_user_prefix if loop.first else '') }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}{% endif %}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+"""The template for Gemma models that ship none (base models): Gemma 3's instruct template, less its check that
+roles alternate (every role but the assistant's is a user turn)."""
+
+_GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+def default_chat_template(architecture: str) -> str:
+    """The chat template for a model of `architecture` (a GGUF's general.architecture or a config's model_type)
+    that ships none: Gemma's turn markers for Gemma, ChatML for every other family."""
+    return DEFAULT_GEMMA if architecture in _GEMMA_FAMILIES else DEFAULT_CHATML
+
 
 # Names a message's reasoning arrives under; the first is the one templates read (transformers' _REASONING_FIELDS).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -282,9 +319,11 @@ class ChatTemplate:
         bos_token: str | None = None,
         eos_token: str | None = None,
         special_tokens: Mapping[str, str] | None = None,
+        architecture: str = "",
     ):
-        """`source` None means DEFAULT_CHATML; `special_tokens` may add unk_token, pad_token, ... (strings)."""
-        self.source = source if source else DEFAULT_CHATML
+        """`source` None means the family's default (default_chat_template(architecture); ChatML when unknown);
+        `special_tokens` may add unk_token, pad_token, ... (strings)."""
+        self.source = source if source else default_chat_template(architecture)
         self.is_default = not source
         tokens = {k: str(v) for k, v in (special_tokens or {}).items() if v is not None}
         if bos_token is not None:
@@ -312,14 +351,16 @@ class ChatTemplate:
 
     @classmethod
     def for_tokenizer(cls, tok: ModelTokenizer) -> ChatTemplate:
-        """The tokenizer's template and special-token strings (TokenizerInfo.extra['special_tokens'])."""
+        """The tokenizer's template (its family's default when it has none) and special-token strings
+        (TokenizerInfo.extra['special_tokens'] and ['architecture'])."""
         info = tok.info
-        tokens = dict((info.extra or {}).get("special_tokens") or {})
+        extra = info.extra or {}
+        tokens = dict(extra.get("special_tokens") or {})
         if "bos_token" not in tokens and info.bos_token_id is not None:
             tokens["bos_token"] = tok.token_text(info.bos_token_id)
         if "eos_token" not in tokens and info.eos_token_ids:  # a folder converted before they were saved
             tokens["eos_token"] = tok.token_text(info.eos_token_ids[0])
-        return cls(info.chat_template, special_tokens=tokens)
+        return cls(info.chat_template, special_tokens=tokens, architecture=extra.get("architecture") or "")
 
     def _renders_tools(self, mentions_tools: bool) -> bool:
         """Whether the template puts a tool definition in the prompt (probed; the static answer if it refuses)."""

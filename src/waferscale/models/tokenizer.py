@@ -7,20 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer
 
-# Pre-tokenizer split patterns llama.cpp names in `tokenizer.ggml.pre` (the same ones the models' tokenizer.json use).
-_LLAMA3_PATTERN = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_PATTERN = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# GGUF token types (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+from waferscale.models.gguf_vocab import eos_token_ids, gguf_vocab_tokenizer, named_special_tokens
 
 
 @dataclass
@@ -104,87 +93,24 @@ class ModelTokenizer:
                 eos_token_ids=sorted(set(eos)),
                 bos_token_id=gcfg.get("bos_token_id", config.get("bos_token_id")),
                 chat_template=template,
-                extra={"special_tokens": named},
+                extra={"special_tokens": named, "architecture": config.get("model_type") or ""},
             ),
         )
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> ModelTokenizer:
-        """Build a byte-level BPE tokenizer from `tokenizer.ggml.*` metadata (the `gpt2` model family)."""
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-                "serve the model's Hugging Face folder instead"
-            )
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        vocab = {t: i for i, t in enumerate(tokens)}
-        tok = Tokenizer(
-            models.BPE(
-                vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"), fuse_unk=False
-            )
-        )
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        if pre in ("llama-bpe", "llama3", "smaug-bpe"):
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"), byte_level]
-            )
-        elif pre in ("qwen2", "deepseek-r1-qwen"):
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(_QWEN2_PATTERN), behavior="isolated"), byte_level]
-            )
-        elif pre == "smollm":
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-                ]
-            )
-        elif pre in ("default", "gpt-2", "gpt2"):
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            raise ValueError(
-                f"GGUF pre-tokenizer {pre!r} is not supported; serve the Hugging Face folder instead"
-            )
-        tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens(
-            [
-                AddedToken(tokens[i], special=True, normalized=False)
-                for i, t in enumerate(types)
-                if t == _CONTROL
-            ]
-        )
-        tok.add_tokens(
-            [
-                AddedToken(tokens[i], special=False, normalized=False)
-                for i, t in enumerate(types)
-                if t == _USER_DEFINED
-            ]
-        )
-        bos = meta.get("tokenizer.ggml.bos_token_id")
-        if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-            tok.post_processor = processors.TemplateProcessing(
-                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
-            )
-        else:
-            tok.post_processor = processors.ByteLevel(trim_offsets=False)
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        eot = meta.get("tokenizer.ggml.eot_token_id")
-        eos_ids = sorted({i for i in (eos, eot) if i is not None})
-        # the special-token strings chat templates see, as transformers names them for a GGUF file
-        unk, pad = meta.get("tokenizer.ggml.unknown_token_id"), meta.get("tokenizer.ggml.padding_token_id")
-        ids = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
-        named = {k: tokens[i] for k, i in ids.items() if i is not None and 0 <= i < len(tokens)}
+        """The tokenizer a GGUF's `tokenizer.ggml.*` metadata describes (byte-level BPE or SentencePiece), its
+        ids those transformers gives for the same file."""
         return cls(
-            tok,
+            gguf_vocab_tokenizer(meta),
             TokenizerInfo(
-                eos_token_ids=eos_ids,
-                bos_token_id=bos,
+                eos_token_ids=eos_token_ids(meta),
+                bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
                 chat_template=meta.get("tokenizer.chat_template"),
-                extra={"special_tokens": named},
+                extra={
+                    "special_tokens": named_special_tokens(meta),
+                    "architecture": meta.get("general.architecture") or "",
+                },
             ),
         )
 
