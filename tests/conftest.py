@@ -143,6 +143,20 @@ def gemma3_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_tokenizers(gemma3_gguf):
+    """(ours, transformers') for the real Gemma 3 GGUF. transformers' GemmaTokenizer is the class AutoTokenizer
+    picks for this file; taken directly, it skips parsing the whole file again for the config (seconds)."""
+    from transformers import GemmaTokenizer
+
+    from waferscale.models.gguf_file import read_gguf_file
+    from waferscale.models.tokenizer import ModelTokenizer
+
+    ours = ModelTokenizer.from_gguf_metadata(read_gguf_file(gemma3_gguf).metadata)
+    theirs = GemmaTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
+    return ours, theirs
+
+
+@pytest.fixture(scope="session")
 def hf_reference():
     """The reference model: transformers' float32 load of the same GGUF file. It runs on one thread: the tests'
     servers share the machine's cores, and an OpenMP team that loses a core to them stalls at every barrier (a

@@ -53,17 +53,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def gemma_tokenizers(gemma3_gguf):
-    """(ours, transformers') for the real Gemma 3 GGUF. transformers' GemmaTokenizer is the class AutoTokenizer
-    picks for this file; taken directly, it skips parsing the whole file again for the config (seconds)."""
-    from transformers import GemmaTokenizer
-
-    ours = ModelTokenizer.from_gguf_metadata(read_gguf_file(gemma3_gguf).metadata)
-    theirs = GemmaTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
-    return ours, theirs
-
-
 def test_gemma_3_270m_is_a_built_in_model_name(gemma3_gguf):
     assert model_source("gemma-3-270m") == gemma3_gguf
     digest = hashlib.sha256()

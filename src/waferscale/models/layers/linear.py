@@ -204,7 +204,7 @@ class PackedBF16Method(LinearMethod):
 
 
 class QuantMethod(LinearMethod):
-    """Quantized blocks multiplied by the integer kernels (models/quant.py), never dequantized to a second copy."""
+    """Quantized blocks multiplied by the integer kernels (models/quant/), never dequantized to a second copy."""
 
     def __init__(self, layer: QuantLinear):
         self.layer = layer
