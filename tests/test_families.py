@@ -122,3 +122,27 @@ def test_chunked_prefill_and_batching_give_the_same_tokens(family):
     assert [t for t, _ in together] == [t for t, _ in alone]
     for (_, a), (_, b) in zip(together, alone):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+def test_a_multimodal_gemma3_folder_serves_its_text_model(tmp_path, hf_tokenizer):
+    """A Gemma 3 checkpoint with a vision tower (config text_config, tensors under model.language_model.): the
+    text model loads and gives transformers' text model's tokens; the vision weights are not loaded."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    cfg = _configs()["gemma3"]
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    state = {k.replace("model.", "model.language_model.", 1): v.contiguous() for k, v in ref.state_dict().items()
+             if k != "lm_head.weight"}
+    state["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3, 2, 2)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    text = {**cfg.to_dict(), "model_type": "gemma3_text"}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
+                                                      "vision_config": {"hidden_size": 8}}))
+    hf_tokenizer.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, dtype="float32", progress=False)
+    ids = _prompt(60)
+    assert _ours(ours, [ids])[0][0] == _theirs(ref, ids)[0]

@@ -136,7 +136,7 @@ def _load_folder(
         # page ever read counted in RSS; so a weight copied at load (q/k/v and gate/up fused, bf16 packed for the
         # kernels) stayed resident twice (an 8B int4 model: 9.6 GB of RSS for 5.5 GB of weights)
         part = load_file(str(shard))
-        tensors.update({k: v.clone() for k, v in part.items()})
+        tensors.update({name: v.clone() for k, v in part.items() if (name := text_model_name(k)) is not None})
         del part
     model = family_for_hf(cfg.architecture).model_class()(cfg, context, dtype)
     state = gather_quantized(tensors)
@@ -170,6 +170,22 @@ def _load_folder(
 
 
 _QUANTIZE_SUFFIXES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
+
+
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_OTHER_TOWERS = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
+
+
+def text_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's (Gemma 3's) text-model tensor under its text-only name; None for the vision tower
+    and projector, which the server does not load (a request with images gets a 400)."""
+    if name.startswith(_OTHER_TOWERS):
+        return None
+    for prefix, plain in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return plain + name[len(prefix) :]
+    return name
 
 
 def _quantized_weights(src: Path, method: str, progress: bool) -> list[Path]:
