@@ -136,7 +136,9 @@ def _load_folder(
         # page ever read counted in RSS; so a weight copied at load (q/k/v and gate/up fused, bf16 packed for the
         # kernels) stayed resident twice (an 8B int4 model: 9.6 GB of RSS for 5.5 GB of weights)
         part = load_file(str(shard))
-        tensors.update({name: v.clone() for k, v in part.items() if (name := text_model_name(k)) is not None})
+        for key, value in part.items():
+            if (text_name := text_model_name(key)) is not None:
+                tensors[text_name] = value.clone()
         del part
     model = family_for_hf(cfg.architecture).model_class()(cfg, context, dtype)
     state = gather_quantized(tensors)
