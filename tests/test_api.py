@@ -247,3 +247,46 @@ def test_client_disconnect_mid_stream_leaves_server_healthy(http, server):
     # the aborted sequence must not hold the engine: a new request completes promptly
     out = complete(http, prompt=PROMPT, max_tokens=3)
     assert out["time_info"]["queue_time"] < 1.0
+
+
+def test_tokenize_counts_a_prompt_as_completions_count_it(http):
+    prompt = "Numbers 12345 and   spaces\n\ttabs, émigré"
+    out = http.post("/v1/tokenize", json={"model": MODEL, "prompt": prompt}).json()
+    done = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}).json()
+    assert out["count"] == len(out["tokens"]) == done["usage"]["prompt_tokens"]
+    assert out["max_model_len"] == 8192
+
+
+def test_tokenize_renders_messages_through_the_chat_template(http):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    out = http.post("/v1/tokenize", json={"model": MODEL, "messages": messages, "return_token_strs": True}).json()
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1}).json()
+    assert out["count"] == chat["usage"]["prompt_tokens"]
+    assert out["token_strs"][:2] == ["<|im_start|>", "system"]
+    without = http.post("/v1/tokenize", json={"model": MODEL, "messages": messages, "add_generation_prompt": False})
+    assert without.json()["count"] < out["count"]
+
+
+def test_detokenize_round_trips_tokenize(http):
+    prompt = "A round trip: 😀 and <|im_end|>"
+    ids = http.post("/v1/tokenize", json={"model": MODEL, "prompt": prompt}).json()["tokens"]
+    assert http.post("/v1/detokenize", json={"model": MODEL, "tokens": ids}).json() == {"prompt": prompt}
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/tokenize", {"model": MODEL}, "prompt"),
+        ("/v1/tokenize", {"model": MODEL, "prompt": "a", "messages": []}, "prompt"),
+        ("/v1/detokenize", {"model": MODEL, "tokens": [10**9]}, "tokens"),
+        ("/v1/detokenize", {"model": MODEL, "tokens": [-1]}, "validation_error"),
+    ],
+)
+def test_tokenize_and_detokenize_refuse_bad_input_with_a_400(http, path, body, param):
+    r = http.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_tokenize_names_the_served_models_for_an_unknown_one(http):
+    r = http.post("/v1/tokenize", json={"model": "nope", "prompt": "a"})
+    assert r.status_code == 404 and MODEL in r.json()["error"]["message"]

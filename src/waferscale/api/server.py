@@ -43,6 +43,7 @@ from waferscale.api.schemas import (
     ModelCard,
     ModelList,
 )
+from waferscale.api.tokenize import add_tokenize_routes
 
 log = logging.getLogger("waferscale.api")
 
@@ -206,6 +207,8 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
         check_capacity(plan.n, ctx)
         trace(request, "chat", req.user)
         return await respond(request, req, ChatRun(plan, ctx, fault_after(request)))
+
+    add_tokenize_routes(app, ctx, auth, read_body)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
