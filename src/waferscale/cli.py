@@ -113,6 +113,49 @@ def _add_scale_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_batch_args(p: argparse.ArgumentParser) -> None:
+    """Options of the Files and Batch APIs (docs/batch.md)."""
+    g = p.add_argument_group("files and batches")
+    g.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="where uploaded files, batches and their results are kept (an SQLite database and files); "
+        "default: $WAFERSCALE_DATA_DIR, else ~/.local/share/waferscale",
+    )
+    g.add_argument(
+        "--batch-concurrency",
+        type=int,
+        default=64,
+        metavar="N",
+        help="batch requests on the engine at once, at the lowest priority (default 64)",
+    )
+    g.add_argument(
+        "--max-upload-size",
+        type=parse_size,
+        default="200MiB",
+        metavar="SIZE",
+        help="largest file POST /v1/files takes (default 200MiB, the hosted 200 MB)",
+    )
+    g.add_argument(
+        "--batch-min-requests",
+        type=int,
+        default=10,
+        metavar="N",
+        help="fewest requests a batch file may hold (default 10, as the hosted service; at most 50,000)",
+    )
+
+
+def batch_settings(args):
+    from waferscale.api.batch_config import BatchSettings
+
+    return BatchSettings(
+        data_dir=args.data_dir,
+        concurrency=args.batch_concurrency,
+        min_requests=args.batch_min_requests,
+        max_upload_bytes=args.max_upload_size,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="waferscale", description="Serve the Cerebras Inference API locally."
@@ -194,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="testing aid: a request header X-Waferscale-Fault-After: N makes its generation fail after N tokens",
     )
 
+    _add_batch_args(serve)
     _add_scale_args(serve)
 
     complete = sub.add_parser("complete", help="print one completion without a server")
@@ -353,7 +397,7 @@ def serve(args) -> None:
         max_waiting=args.max_waiting,
         chat_template=ChatTemplate.for_tokenizer(loaded.tokenizer),
     )
-    app = create_app(ctx, keyring)
+    app = create_app(ctx, keyring, batch_settings(args))
     if not keyring.enabled:
         log.warning(
             "no API key set (--api-key, WAFERSCALE_API_KEY or --api-keys-file): the server is open to anyone who "

@@ -85,19 +85,25 @@ def install_files(app: FastAPI, store: Store, settings: BatchSettings, auth) -> 
                 await run_in_threadpool(lambda: (sink.flush(), os.fsync(sink.fileno())))
             purpose = form.fields.get("purpose")
             if purpose is None:
-                raise APIError(400, "the form field 'purpose' is required; send purpose=batch", param="purpose")
+                raise APIError(
+                    400, "the form field 'purpose' is required; send purpose=batch", param="purpose"
+                )
             if purpose not in PURPOSES:
                 raise APIError(
                     400, f"purpose {purpose!r} is not supported here; use one of: {', '.join(PURPOSES)}",
                     param="purpose",
                 )  # fmt: skip
             if form.filename is None:
-                raise APIError(400, "the form field 'file' is required (the JSONL file to upload)", param="file")
+                raise APIError(
+                    400, "the form field 'file' is required (the JSONL file to upload)", param="file"
+                )
             now = int(time.time())
             expires_at = _expiry(form.fields, now, settings.file_ttl)
             os.replace(part, final)
             fsync_dir(final.parent)
-            return store.add_file(file_id, owner_of(request), form.filename, form.file_bytes, purpose, expires_at, now)
+            return store.add_file(
+                file_id, owner_of(request), form.filename, form.file_bytes, purpose, expires_at, now
+            )
         except BaseException:
             part.unlink(missing_ok=True)
             final.unlink(missing_ok=True)
@@ -143,4 +149,6 @@ def install_files(app: FastAPI, store: Store, settings: BatchSettings, auth) -> 
     @app.get("/v1/files/{file_id}/content", **route)
     async def file_content(request: Request, file_id: str):
         found = find(request, file_id)
-        return FileResponse(store.file_path(file_id), media_type="application/x-ndjson", filename=found["filename"])
+        return FileResponse(
+            store.file_path(file_id), media_type="application/x-ndjson", filename=found["filename"]
+        )

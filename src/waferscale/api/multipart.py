@@ -77,11 +77,13 @@ async def read_form(chunks: AsyncIterator[bytes], boundary: bytes, sink: BinaryI
         if state == "preamble":
             at = buf.find(delim)
             if at < 0:
-                buf = buf[-len(delim):]
+                buf = buf[-len(delim) :]
                 if not await more():
-                    raise APIError(400, "the multipart body has no part: send 'file' and 'purpose'", param="file")
+                    raise APIError(
+                        400, "the multipart body has no part: send 'file' and 'purpose'", param="file"
+                    )
                 continue
-            buf = buf[at + len(delim):]
+            buf = buf[at + len(delim) :]
             state = "after_delim"
         if state == "after_delim":
             while len(buf) < 2 and await more():
@@ -89,7 +91,9 @@ async def read_form(chunks: AsyncIterator[bytes], boundary: bytes, sink: BinaryI
             if buf[:2] == b"--":
                 return form
             if buf[:2] != b"\r\n":
-                raise APIError(400, "malformed multipart body (a boundary not followed by CRLF)", param="file")
+                raise APIError(
+                    400, "malformed multipart body (a boundary not followed by CRLF)", param="file"
+                )
             buf = buf[2:]
             state = "headers"
         if state == "headers":
@@ -99,7 +103,7 @@ async def read_form(chunks: AsyncIterator[bytes], boundary: bytes, sink: BinaryI
                     raise APIError(400, "malformed multipart body (a part's headers never end)", param="file")
                 continue
             name, filename = _disposition(buf[:at])
-            buf = buf[at + 4:]
+            buf = buf[at + 4 :]
             is_file = name == file_field
             if is_file:
                 if form.filename is not None:
@@ -109,7 +113,11 @@ async def read_form(chunks: AsyncIterator[bytes], boundary: bytes, sink: BinaryI
             state = "body"
         if state == "body":
             at = buf.find(delim)
-            data, rest = (buf[:at], buf[at + len(delim):]) if at >= 0 else (buf[: max(0, len(buf) - len(delim))], None)
+            data, rest = (
+                (buf[:at], buf[at + len(delim) :])
+                if at >= 0
+                else (buf[: max(0, len(buf) - len(delim))], None)
+            )
             if is_file:
                 form.file_bytes += len(data)
                 if form.file_bytes > max_file_bytes:
@@ -121,13 +129,17 @@ async def read_form(chunks: AsyncIterator[bytes], boundary: bytes, sink: BinaryI
             else:
                 value += data
                 if len(value) > MAX_FIELD_BYTES:
-                    raise APIError(400, f"the form field {name!r} is longer than {MAX_FIELD_BYTES} bytes", param=name)
+                    raise APIError(
+                        400, f"the form field {name!r} is longer than {MAX_FIELD_BYTES} bytes", param=name
+                    )
             if rest is not None:
                 if not is_file:
                     form.fields[name] = value.decode("utf-8", "replace")
                 buf = rest
                 state = "after_delim"
                 continue
-            buf = buf[len(data):]
+            buf = buf[len(data) :]
             if not await more():
-                raise APIError(400, "the multipart body ended inside a part (upload cut short?)", param="file")
+                raise APIError(
+                    400, "the multipart body ended inside a part (upload cut short?)", param="file"
+                )

@@ -80,7 +80,9 @@ class Store:
             db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
             db.row_factory = sqlite3.Row
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a killed process loses no committed result
+            db.execute(
+                "PRAGMA synchronous=NORMAL"
+            )  # WAL + NORMAL: a killed process loses no committed result
             self._local.db = db
         return db
 
@@ -122,9 +124,11 @@ class Store:
         return self.get_file(file_id, owner, db)
 
     def get_file(self, file_id: str, owner: str, db: sqlite3.Connection | None = None) -> dict | None:
-        row = (db or self._db()).execute(
-            "SELECT * FROM files WHERE id = ? AND owner = ?", (file_id, owner)
-        ).fetchone()
+        row = (
+            (db or self._db())
+            .execute("SELECT * FROM files WHERE id = ? AND owner = ?", (file_id, owner))
+            .fetchone()
+        )
         return _file(row) if row else None
 
     def list_files(self, owner: str, *, after: str | None, limit: int, order: str, purpose: str | None) -> tuple[list[dict], bool]:  # fmt: skip
@@ -136,9 +140,11 @@ class Store:
             sql += " AND purpose = ?"
             args.append(purpose)
         if after:
-            cursor = self._db().execute(
-                "SELECT rowid, created_at FROM files WHERE id = ? AND owner = ?", (after, owner)
-            ).fetchone()
+            cursor = (
+                self._db()
+                .execute("SELECT rowid, created_at FROM files WHERE id = ? AND owner = ?", (after, owner))
+                .fetchone()
+            )
             if cursor is not None:
                 op = "<" if desc else ">"
                 sql += f" AND (created_at, rowid) {op} (?, ?)"
@@ -149,9 +155,14 @@ class Store:
 
     def file_in_use(self, file_id: str) -> str | None:
         """The id of an unfinished batch that reads this file, if any."""
-        row = self._db().execute(
-            f"SELECT id FROM batches WHERE input_file_id = ? AND status IN ({_marks(ACTIVE)})", (file_id, *ACTIVE)
-        ).fetchone()
+        row = (
+            self._db()
+            .execute(
+                f"SELECT id FROM batches WHERE input_file_id = ? AND status IN ({_marks(ACTIVE)})",
+                (file_id, *ACTIVE),
+            )
+            .fetchone()
+        )
         return row["id"] if row else None
 
     def delete_file(self, file_id: str) -> None:
@@ -160,9 +171,11 @@ class Store:
         self.file_path(file_id).unlink(missing_ok=True)
 
     def expired_files(self, now: int) -> list[str]:
-        rows = self._db().execute(
-            "SELECT id FROM files WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
-        ).fetchall()
+        rows = (
+            self._db()
+            .execute("SELECT id FROM files WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
+            .fetchall()
+        )
         return [r["id"] for r in rows]
 
     def orphan_paths(self, older_than: float) -> list[Path]:
@@ -205,7 +218,11 @@ class Store:
         """A page of the owner's batches, newest first (as the SDKs page them: `after` the last one's id)."""
         sql, args = "SELECT * FROM batches WHERE owner = ?", [owner]
         if after:
-            row = self._db().execute("SELECT seq FROM batches WHERE id = ? AND owner = ?", (after, owner)).fetchone()
+            row = (
+                self._db()
+                .execute("SELECT seq FROM batches WHERE id = ? AND owner = ?", (after, owner))
+                .fetchone()
+            )
             if row is not None:
                 sql += " AND seq < ?"
                 args.append(row["seq"])
@@ -213,17 +230,26 @@ class Store:
         return [dict(r) for r in rows[:limit]], len(rows) > limit
 
     def batches_in(self, statuses: tuple[str, ...]) -> list[dict]:
-        rows = self._db().execute(
-            f"SELECT * FROM batches WHERE status IN ({_marks(statuses)}) ORDER BY seq", statuses
-        ).fetchall()
+        rows = (
+            self._db()
+            .execute(f"SELECT * FROM batches WHERE status IN ({_marks(statuses)}) ORDER BY seq", statuses)
+            .fetchall()
+        )
         return [dict(r) for r in rows]
 
     def count_active(self, owner: str) -> int:
-        return self._db().execute(
-            f"SELECT COUNT(*) FROM batches WHERE owner = ? AND status IN ({_marks(ACTIVE)})", (owner, *ACTIVE)
-        ).fetchone()[0]
+        return (
+            self._db()
+            .execute(
+                f"SELECT COUNT(*) FROM batches WHERE owner = ? AND status IN ({_marks(ACTIVE)})",
+                (owner, *ACTIVE),
+            )
+            .fetchone()[0]
+        )
 
-    def set_status(self, batch_id: str, status: str, *, only_from: tuple[str, ...] | None = None, **fields) -> bool:
+    def set_status(
+        self, batch_id: str, status: str, *, only_from: tuple[str, ...] | None = None, **fields
+    ) -> bool:
         """Move a batch to `status` (with timestamps or other columns); with only_from, only from those states.
         True when the row changed."""
         cols = {"status": status, **fields}
@@ -237,11 +263,19 @@ class Store:
 
     def pending(self, batch_id: str, limit: int, skip: set[int]) -> list[PendingRequest]:
         """Requests without a result, in line order, leaving out the lines already running."""
-        rows = self._db().execute(
-            "SELECT line, custom_id, body FROM requests WHERE batch_id = ? AND outcome IS NULL ORDER BY line LIMIT ?",
-            (batch_id, limit + len(skip)),
-        ).fetchall()
-        out = [PendingRequest(r["line"], r["custom_id"], json.loads(r["body"])) for r in rows if r["line"] not in skip]
+        rows = (
+            self._db()
+            .execute(
+                "SELECT line, custom_id, body FROM requests WHERE batch_id = ? AND outcome IS NULL ORDER BY line LIMIT ?",
+                (batch_id, limit + len(skip)),
+            )
+            .fetchall()
+        )
+        out = [
+            PendingRequest(r["line"], r["custom_id"], json.loads(r["body"]))
+            for r in rows
+            if r["line"] not in skip
+        ]
         return out[:limit]
 
     def record(self, batch_id: str, line: int, outcome: str, result: dict, usage: dict | None = None) -> bool:
@@ -278,7 +312,12 @@ class Store:
             db.executemany(
                 "UPDATE requests SET outcome = ?, result = ? WHERE batch_id = ? AND line = ?",
                 (
-                    (outcome, json.dumps(make_result(r["line"], r["custom_id"]), separators=(",", ":")), batch_id, r["line"])
+                    (
+                        outcome,
+                        json.dumps(make_result(r["line"], r["custom_id"]), separators=(",", ":")),
+                        batch_id,
+                        r["line"],
+                    )
                     for r in rows
                 ),
             )
@@ -291,11 +330,15 @@ class Store:
         memory)."""
         line = -1
         while True:
-            rows = self._db().execute(
-                f"SELECT line, custom_id, outcome, result FROM requests WHERE batch_id = ? AND line > ? AND outcome IN "
-                f"({_marks(outcomes)}) ORDER BY line LIMIT 500",
-                (batch_id, line, *outcomes),
-            ).fetchall()
+            rows = (
+                self._db()
+                .execute(
+                    f"SELECT line, custom_id, outcome, result FROM requests WHERE batch_id = ? AND line > ? AND outcome IN "
+                    f"({_marks(outcomes)}) ORDER BY line LIMIT 500",
+                    (batch_id, line, *outcomes),
+                )
+                .fetchall()
+            )
             if not rows:
                 return
             yield from rows
@@ -310,7 +353,8 @@ class Store:
                 ))  # fmt: skip
             cols = {"status": status, **fields}
             db.execute(
-                f"UPDATE batches SET {', '.join(f'{c} = ?' for c in cols)} WHERE id = ?", [*cols.values(), batch_id]
+                f"UPDATE batches SET {', '.join(f'{c} = ?' for c in cols)} WHERE id = ?",
+                [*cols.values(), batch_id],
             )
 
     def delete_batch_results(self, batch_id: str) -> None:
