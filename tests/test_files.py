@@ -122,7 +122,9 @@ def test_a_chunked_upload_over_the_cap_is_refused_while_it_streams(files_server)
             + f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n".encode()
         )
         chunk = head + b"y" * (CAP + 1024)
-        sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")  # never finished: the cap answers first
+        sock.sendall(
+            f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+        )  # never finished: the cap answers first
         reply = sock.recv(65536).decode()
     assert reply.startswith("HTTP/1.1 413")
     assert json.loads(reply.split("\r\n\r\n", 1)[1])["error"]["code"] == "file_too_large"
