@@ -273,3 +273,17 @@ def test_a_killed_server_resumes_its_batch_without_running_a_request_twice(tmp_p
         server.stop()
     db = sqlite3.connect(tmp_path / "waferscale.sqlite3")
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_the_batches_command_lists_the_keys_batches(batch_server):
+    import subprocess
+    import sys
+
+    c = client(batch_server, "sk-bob")
+    b = wait(c, submit(c, [line("a"), line("b")]).id)
+    out = subprocess.run(
+        [sys.executable, "-m", "waferscale", "batches", "--url", batch_server.url, "--api-key", "sk-bob"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    row = next(x for x in out.splitlines() if x.startswith(b.id))
+    assert "completed" in row and "2 completed, 0 failed of 2" in row

@@ -1,5 +1,5 @@
 """Command line: `waferscale serve` runs the server; `waferscale complete` prints one completion; `waferscale usage`
-prints each key's usage from a running server."""
+prints each key's usage from a running server; `waferscale batches` lists a key's batches with their progress."""
 
 from __future__ import annotations
 
@@ -261,6 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     usage.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     usage.add_argument("--api-key", help="a key of that server (also read from WAFERSCALE_API_KEY)")
+    batches = sub.add_parser(
+        "batches",
+        help="list a key's batches on a running server, with progress",
+        description="List the key's batches (newest first) from a running server, with a progress bar for each "
+        "one still running.",
+    )
+    batches.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
+    batches.add_argument("--api-key", help="the key whose batches to list (also read from WAFERSCALE_API_KEY)")
+    batches.add_argument("--limit", type=int, default=20, metavar="N", help="newest N batches (default 20)")
+    batches.add_argument(
+        "--watch", type=float, metavar="SECONDS", help="redraw every SECONDS until no batch is running"
+    )
     return parser
 
 
@@ -281,6 +293,10 @@ def main(argv: list[str] | None = None) -> None:
         from waferscale.usage import main as usage_main
 
         usage_main(args)
+    elif args.command == "batches":
+        from waferscale.batches_cli import main as batches_main
+
+        batches_main(args)
 
 
 def _check_model_path(path: str | None) -> None:
