@@ -14,7 +14,21 @@ import pytest
 from conftest import MODEL, Server
 
 CHAT = "/v1/chat/completions"
-KEYS = '[keys.alice]\nkey = "sk-alice"\n\n[keys.bob]\nkey = "sk-bob"\n'
+KEYS = """
+[keys.alice]
+key = "sk-alice"
+
+[keys.bob]
+key = "sk-bob"
+
+[keys.carol]
+key = "sk-carol"
+tokens_per_minute = 5
+
+[keys.dave]
+key = "sk-dave"
+tokens_per_day = 30
+"""
 ENDED = ("completed", "failed", "cancelled", "expired")
 
 
@@ -287,3 +301,30 @@ def test_the_batches_command_lists_the_keys_batches(batch_server):
     ).stdout  # fmt: skip
     row = next(x for x in out.splitlines() if x.startswith(b.id))
     assert "completed" in row and "2 completed, 0 failed of 2" in row
+
+
+def test_batch_tokens_do_not_count_against_the_minute_limits(batch_server):
+    c = client(batch_server, "sk-carol")  # 5 tokens a minute: no interactive request fits
+    with pytest.raises(openai.RateLimitError):
+        c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=2
+        )
+    b = wait(c, submit(c, [line("a"), line("b")]).id)
+    assert (b.status, b.request_counts.completed) == ("completed", 2)
+
+
+def test_batch_tokens_count_against_the_day_limits(batch_server):
+    c = client(batch_server, "sk-dave")  # 30 tokens a day: one batch of two requests spends them
+    first = wait(c, submit(c, [line("a"), line("b")]).id)
+    assert first.status == "completed" and first.usage.total_tokens > 30
+    with pytest.raises(openai.RateLimitError, match="per day"):
+        c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=2
+        )
+    second = submit(c, [line("c"), line("d")])
+    time.sleep(3)
+    second = c.batches.retrieve(second.id)
+    assert (
+        second.status == "in_progress" and second.request_counts.completed == 0
+    )  # waits for the day to refill
+    assert wait(c, c.batches.cancel(second.id).id).status == "cancelled"

@@ -27,7 +27,9 @@ RETRY_AFTER = (
 )
 TRANSIENT = (503,)  # statuses that mean "not now", not "this request is wrong": the request runs again later
 
-Execute = Callable[[str, dict], Awaitable[dict]]  # (endpoint, body) -> the response body; raises APIError
+Execute = Callable[
+    [str, dict, str], Awaitable[dict]
+]  # (endpoint, body, owner) -> the response body; raises APIError
 
 
 def error_line(custom_id: str, code: str, message: str) -> dict:
@@ -41,9 +43,10 @@ def error_line(custom_id: str, code: str, message: str) -> dict:
 
 class BatchRunner:
     def __init__(self, store: Store, settings: BatchSettings, execute: Execute, served: Callable[[str], bool],
-                 draining: Callable[[], bool] = lambda: False):  # fmt: skip
+                 draining: Callable[[], bool] = lambda: False,
+                 paused: Callable[[str], bool] = lambda owner: False):  # fmt: skip
         self.store, self.settings, self.execute, self.served = store, settings, execute, served
-        self.draining = draining
+        self.draining, self.paused = draining, paused
         self.inflight: dict[tuple[str, int], asyncio.Task] = {}
         self._busy: set[str] = set()  # batches being validated or finalized (off the event loop)
         self._wake = asyncio.Event()
@@ -104,8 +107,8 @@ class BatchRunner:
             if b["id"] in self._busy:
                 continue
             mine = {line for (bid, line) in self.inflight if bid == b["id"]}
-            free = self.settings.concurrency - len(self.inflight)
-            todo = self.store.pending(b["id"], max(free, 0), mine) if free > 0 else []
+            free = 0 if self.paused(b["owner"]) else self.settings.concurrency - len(self.inflight)
+            todo = self.store.pending(b["id"], free, mine) if free > 0 else []
             for req in todo:
                 key = (b["id"], req.line)
                 self.inflight[key] = asyncio.create_task(self._run_one(b, req.line, req.custom_id, req.body))
@@ -136,7 +139,7 @@ class BatchRunner:
         key = (batch["id"], line)
         try:
             try:
-                answer = await self.execute(batch["endpoint"], body)
+                answer = await self.execute(batch["endpoint"], body, batch["owner"])
             except APIError as exc:
                 if exc.status_code in TRANSIENT:
                     log.info("batch %s line %d: %s; it runs again", batch["id"], line, exc.message)

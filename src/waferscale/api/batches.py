@@ -11,6 +11,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from waferscale.api.auth import Keyring
 from waferscale.api.batch_config import BatchSettings
 from waferscale.api.batch_runner import BatchRunner, with_priority
 from waferscale.api.chat import ChatRun, plan_chat, validate_chat_request
@@ -102,14 +103,14 @@ async def _never_disconnected() -> bool:
 class BatchService:
     """The store, the runner and the request pipeline a batch line goes through."""
 
-    def __init__(self, ctx: ServingContext, settings: BatchSettings):
-        self.ctx, self.settings = ctx, settings
+    def __init__(self, ctx: ServingContext, settings: BatchSettings, keyring: Keyring):
+        self.ctx, self.settings, self.keyring = ctx, settings, keyring
         self.store = Store(settings.directory())
         self.runner: BatchRunner | None = None
 
-    async def execute(self, endpoint: str, body: dict) -> dict:
+    async def execute(self, endpoint: str, body: dict, owner: str) -> dict:
         """One batch line through the same validation, planning and engine path as an interactive request, at the
-        batch priority."""
+        batch priority; its tokens count against the owner's day limits and usage."""
         ctx = self.ctx
         if endpoint == "/v1/chat/completions":
             req = validate_chat_request(body)
@@ -120,7 +121,23 @@ class BatchService:
             cplan = await run_in_threadpool(plan_request, creq, ctx)
             run = CompletionRun(cplan, ctx)
         with_priority(run.run, BATCH_PRIORITY)
-        return await run.collect(_never_disconnected)
+        answer = await run.collect(_never_disconnected)
+        key = self.keyring.named(owner)
+        if key is not None:
+            usage = answer["usage"]
+            prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            key.quota.charge(prompt + completion, prompt - cached + completion)
+            key.usage.requests += 1
+            key.usage.prompt_tokens += prompt
+            key.usage.cached_tokens += cached
+            key.usage.completion_tokens += completion
+        return answer
+
+    def paused(self, owner: str) -> bool:
+        """Whether the owner's day limits are spent: its batches wait until they refill."""
+        key = self.keyring.named(owner)
+        return key is not None and key.quota.day_wait() > 0
 
     def start(self) -> None:
         self.runner = BatchRunner(
@@ -129,6 +146,7 @@ class BatchService:
             self.execute,
             lambda m: m in self.ctx.served_names,
             lambda: self.ctx.draining,
+            self.paused,
         )
         self.runner.start()
 
@@ -147,7 +165,7 @@ def install_batch_api(
     """Add the Files and Batch API routes to `app` (outside its OpenAPI document, which holds the contracts'
     operations); the caller starts and stops the returned service with the app."""
     settings = settings or BatchSettings()
-    service = BatchService(ctx, settings)
+    service = BatchService(ctx, settings, auth.keyring)
     store = service.store
     install_files(app, store, settings, auth)
     route = {"dependencies": [Depends(auth)], "include_in_schema": False}
