@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 ALIAS = "llama3.1-8b"
 os.environ.setdefault("WAFERSCALE_CACHE_DIR", str(ROOT / ".cache" / "waferscale"))
+os.environ.setdefault("WAFERSCALE_DATA_DIR", str(ROOT / ".cache" / "data"))  # files and batches of every server
 
 
 def free_port() -> int:

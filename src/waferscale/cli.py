@@ -1,5 +1,5 @@
 """Command line: `waferscale serve` runs the server; `waferscale complete` prints one completion; `waferscale usage`
-prints each key's usage from a running server."""
+prints each key's usage from a running server; `waferscale batches` lists a key's batches with their progress."""
 
 from __future__ import annotations
 
@@ -114,6 +114,49 @@ def _add_scale_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_batch_args(p: argparse.ArgumentParser) -> None:
+    """Options of the Files and Batch APIs (docs/batch.md)."""
+    g = p.add_argument_group("files and batches")
+    g.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="where uploaded files, batches and their results are kept (an SQLite database and files); "
+        "default: $WAFERSCALE_DATA_DIR, else ~/.local/share/waferscale",
+    )
+    g.add_argument(
+        "--batch-concurrency",
+        type=int,
+        default=64,
+        metavar="N",
+        help="batch requests on the engine at once, at the lowest priority (default 64)",
+    )
+    g.add_argument(
+        "--max-upload-size",
+        type=parse_size,
+        default="200MiB",
+        metavar="SIZE",
+        help="largest file POST /v1/files takes (default 200MiB, the hosted 200 MB)",
+    )
+    g.add_argument(
+        "--batch-min-requests",
+        type=int,
+        default=10,
+        metavar="N",
+        help="fewest requests a batch file may hold (default 10, as the hosted service; at most 50,000)",
+    )
+
+
+def batch_settings(args):
+    from waferscale.api.batch_config import BatchSettings
+
+    return BatchSettings(
+        data_dir=args.data_dir,
+        concurrency=args.batch_concurrency,
+        min_requests=args.batch_min_requests,
+        max_upload_bytes=args.max_upload_size,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="waferscale", description="Serve the Cerebras Inference API locally."
@@ -211,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="testing aid: a request header X-Waferscale-Fault-After: N makes its generation fail after N tokens",
     )
 
+    _add_batch_args(serve)
     _add_scale_args(serve)
 
     complete = sub.add_parser("complete", help="print one completion without a server")
@@ -234,6 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     usage.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     usage.add_argument("--api-key", help="a key of that server (also read from WAFERSCALE_API_KEY)")
+    batches = sub.add_parser(
+        "batches",
+        help="list a key's batches on a running server, with progress",
+        description="List the key's batches (newest first) from a running server, with a progress bar for each "
+        "one still running.",
+    )
+    batches.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
+    batches.add_argument("--api-key", help="the key whose batches to list (also read from WAFERSCALE_API_KEY)")
+    batches.add_argument("--limit", type=int, default=20, metavar="N", help="newest N batches (default 20)")
+    batches.add_argument(
+        "--watch", type=float, metavar="SECONDS", help="redraw every SECONDS until no batch is running"
+    )
     return parser
 
 
@@ -254,6 +310,10 @@ def main(argv: list[str] | None = None) -> None:
         from waferscale.usage import main as usage_main
 
         usage_main(args)
+    elif args.command == "batches":
+        from waferscale.batches_cli import main as batches_main
+
+        batches_main(args)
 
 
 def _check_model_path(path: str | None) -> None:
@@ -376,7 +436,7 @@ def serve(args) -> None:
         max_waiting=args.max_waiting,
         chat_template=ChatTemplate.for_tokenizer(loaded.tokenizer),
     )
-    app = create_app(ctx, keyring)
+    app = create_app(ctx, keyring, batch_settings(args))
     if not keyring.enabled:
         log.warning(
             "no API key set (--api-key, WAFERSCALE_API_KEY or --api-keys-file): the server is open to anyone who "

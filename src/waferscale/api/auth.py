@@ -109,6 +109,12 @@ class Keyring:
                 found = key
         return found
 
+    def named(self, name: str) -> Key | None:
+        """The Key called `name` now (the anonymous one on a server without keys); None if no such key."""
+        if not self._keys:
+            return self._anonymous if name == ANONYMOUS else None
+        return next((k for k in self._keys if k.name == name), None)
+
     def usage(self) -> dict[str, KeyUsage]:
         """Usage by key name (the anonymous caller's only once it has sent a request)."""
         out = dict(self._usage)

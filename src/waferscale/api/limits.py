@@ -169,6 +169,24 @@ class KeyQuota:
                 bucket.take(1 if counts == "requests" else tokens, now)
         return Reservation(self, tokens)
 
+    def charge(self, tokens: int, uncached: int) -> None:
+        """A finished batch request's usage, taken from the day windows only (batch work never counts against the
+        per-minute ones) and refused nowhere: the runner waits with `day_wait` before it sends more."""
+        now = self.clock()
+        with self._lock:
+            for suffix, (counts, bucket) in self._buckets.items():
+                if suffix.endswith("-day"):
+                    bucket.take({"requests": 1, "tokens": tokens}.get(counts, uncached), now)
+
+    def day_wait(self) -> float:
+        """Seconds until every day window has room again (0 when they all have some now)."""
+        now = self.clock()
+        with self._lock:
+            waits = [
+                bucket.wait(1, now) for suffix, (_, bucket) in self._buckets.items() if suffix.endswith("-day")
+            ]
+        return max(waits, default=0.0)
+
     def _settle(self, r: Reservation, used: int, uncached: int, *, request: bool = False) -> None:
         now = self.clock()
         with self._lock:

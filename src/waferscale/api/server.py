@@ -16,6 +16,8 @@ from starlette.concurrency import run_in_threadpool
 
 from waferscale import __version__
 from waferscale.api.auth import BearerAuth, Keyring
+from waferscale.api.batch_config import BatchSettings
+from waferscale.api.batches import install_batch_api
 from waferscale.api.chat import ChatRun, plan_chat, validate_chat_request
 from waferscale.api.chat_schemas import (
     ChatCompletionRequest,
@@ -43,6 +45,7 @@ from waferscale.api.schemas import (
     ModelCard,
     ModelList,
 )
+from waferscale.api.tiers import QueueTimes, admit, observe
 from waferscale.api.tokenize import add_tokenize_routes
 
 log = logging.getLogger("waferscale.api")
@@ -59,9 +62,11 @@ def post_doc(schema: str, headers: list[dict]) -> dict:
     }
 
 
-def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
+def create_app(
+    ctx: ServingContext, api_keys: Keyring | list[str], batch: BatchSettings | None = None
+) -> FastAPI:
     """The app serving `ctx`'s model; the engine thread starts and stops with the app's lifespan. A Keyring with a
-    key file is re-read on SIGHUP."""
+    key file is re-read on SIGHUP. `batch` places and bounds the Files and Batch APIs' state."""
     # Tokenize on the calling thread, never on tokenizers' own pool: a long prompt is then tokenized at the low
     # priority of the thread that asked (pipeline.encode), and takes only the CPU the decoding streams leave.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -71,6 +76,7 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         ctx.engine.start()
+        batches.start()
         try:
             bodies.start()  # now: at the first large body its start would cost that request (and the streams)
         except OSError as exc:
@@ -82,6 +88,7 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
             if reloads:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             bodies.close()
+            await batches.stop()
             ctx.engine.stop()
 
     app = FastAPI(
@@ -92,6 +99,8 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
     )
     install_handlers(app)
     app.add_middleware(RateLimitHeaders)
+    batches = install_batch_api(app, ctx, auth, batch)
+    queue_times = QueueTimes()  # interactive requests' recent queue times, for queue_threshold
 
     @app.get("/health", tags=["Server"])
     async def health() -> dict:
@@ -165,6 +174,7 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
         """Queue a planned run under the caller's key limits and answer: a stream, or the whole body."""
         run.run.cache_key = req.prompt_cache_key
         reserve(request, run.run)  # 429 over the key's limits, before anything is queued
+        observe(run.run, queue_times)
         if req.stream:
             await run.run.start()  # admitted (or refused with a real status) before the 200
             return RunStream(run.stream(), run.run)
@@ -206,7 +216,9 @@ def create_app(ctx: ServingContext, api_keys: Keyring | list[str]) -> FastAPI:
         plan = await run_in_threadpool(plan_chat, req, ctx)  # templating and tokenization off the event loop
         check_capacity(plan.n, ctx)
         trace(request, "chat", req.user)
-        return await respond(request, req, ChatRun(plan, ctx, fault_after(request)))
+        run = ChatRun(plan, ctx, fault_after(request))
+        admit(request, req.service_tier.value if req.service_tier else None, run.run, queue_times)
+        return await respond(request, req, run)
 
     add_tokenize_routes(app, ctx, auth, read_body)
 
@@ -352,6 +364,7 @@ COMPLETION_HEADERS = [
     _header("X-delay-time", "X-Delay-Time", {"type": "number"}),
 ]
 # Headers the contracts name that change nothing here: accepted whatever their value, and logged when sent.
+# (queue_threshold acts only with service_tier flex or auto: api/tiers.py)
 INERT_HEADERS = ("x-delay-time", "queue_threshold", "x-cerebras-version-patch")
 CHAT_HEADERS = COMPLETION_HEADERS + [
     _header(

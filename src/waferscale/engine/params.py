@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Scheduling priorities, lower first: the service tiers of interactive requests, then batch work below them all.
+TIER_PRIORITY = {"priority": 0, "default": 1, "flex": 2}
+BATCH_PRIORITY = 3
+
 
 @dataclass
 class SamplingParams:
@@ -23,6 +27,8 @@ class SamplingParams:
     prediction: list[int] | None = (
         None  # token ids of the output the client expects: drafts verified in one forward
     )
+
+    priority: int = TIER_PRIORITY["default"]  # admitted before any waiting sequence of a larger number
 
     @property
     def greedy(self) -> bool:

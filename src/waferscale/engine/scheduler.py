@@ -2,7 +2,10 @@
 
 Each step takes one token of every decoding sequence, then chunks of prefilling ones, then admits waiting
 sequences while the token budget, the batch size and the free blocks allow. When the pool runs out, the newest
-sequence is preempted (its blocks freed) and recomputed later; its client still gets the whole answer.
+sequence of the lowest priority is preempted (its blocks freed) and recomputed later; its client still gets the whole
+answer. The waiting queue is ordered by priority (SamplingParams.priority, lower first), then arrival: a waiting
+sequence of a higher priority is admitted before any lower one, and takes the slot and blocks of running sequences
+of a lower priority (batch work) when there are none free.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 
 from waferscale.engine.block_manager import BlockManager
 from waferscale.engine.errors import ErrorKind, RequestError
+from waferscale.engine.params import BATCH_PRIORITY
 from waferscale.engine.prediction import MAX_DRAFT, propose
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import NgramState, SpeculativeConfig
@@ -57,6 +61,24 @@ class Scheduler:
         self.num_timed_out = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue seq after every waiting sequence of its priority or a higher one."""
+        self._insert(seq, after_equal=True)
+
+    def _insert(self, seq: Sequence, *, after_equal: bool) -> None:
+        """Into the waiting queue at seq's priority: behind its equals (a new arrival) or ahead of them (a
+        preempted sequence, which resumes first)."""
+        p = seq.params.priority
+        if (
+            not self.waiting
+            or self.waiting[-1].params.priority < p
+            or (after_equal and self.waiting[-1].params.priority == p)
+        ):
+            self.waiting.append(seq)
+            return
+        for i, other in enumerate(self.waiting):
+            if other.params.priority > p or (not after_equal and other.params.priority == p):
+                self.waiting.insert(i, seq)
+                return
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -90,9 +112,12 @@ class Scheduler:
         out = ScheduledBatch()
         budget = self.max_num_batched_tokens
         taken: set[int] = set()
+        self._yield_to_waiting()
         decoding = [s for s in self.running if not s.finished and s.remaining == 1 and s.num_generated]
         speculate = self.speculative.enabled and len(decoding) <= self.speculative.max_seqs
-        for seq in list(self.running):
+        # by priority, oldest first among equals: a sequence preempted for room (the lowest priority, the newest)
+        # is then never one already scheduled in this step
+        for seq in sorted(self.running, key=lambda s: s.params.priority):
             if seq.finished or seq.remaining != 1 or not seq.num_generated or budget <= 0:
                 continue
             if seq not in self.running:  # preempted while making room for an older sequence
@@ -111,8 +136,15 @@ class Scheduler:
                 continue
             out.decodes.append(seq)
             budget -= 1
-        for seq in self.running:
+        # prefills of running sequences, by priority; those below the best waiting one prefill only with what
+        # admitting it leaves
+        head = self.waiting[0].params.priority if self.waiting else BATCH_PRIORITY + 1
+        later: list[Sequence] = []
+        for seq in sorted(self.running, key=lambda s: s.params.priority):
             if id(seq) in taken or seq.finished or seq.remaining <= 0 or budget <= 0:
+                continue
+            if seq.params.priority > head:
+                later.append(seq)
                 continue
             chunk = min(seq.remaining, budget)
             out.prefills.append((seq, chunk))
@@ -137,7 +169,43 @@ class Scheduler:
             out.prefills.append((seq, chunk))
             budget -= chunk
         self.waiting.extendleft(reversed(deferred))
+        for seq in later:
+            if budget <= 0:
+                break
+            chunk = min(seq.remaining, budget)
+            out.prefills.append((seq, chunk))
+            budget -= chunk
         return out
+
+    def _victim(self) -> Sequence | None:
+        """The running sequence to preempt first: the lowest priority, the newest among equals."""
+        best, best_key = None, None
+        for i, seq in enumerate(self.running):
+            if seq.finished:
+                continue
+            key = (seq.params.priority, i)
+            if best_key is None or key > best_key:
+                best, best_key = seq, key
+        return best
+
+    def _yield_to_waiting(self) -> None:
+        """While the first waiting sequence cannot be admitted (no slot or not enough blocks) and a running one has
+        a lower priority, preempt that one: batch work gives its slot and blocks to an interactive request."""
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            victim = self._victim()
+            if victim is None or victim.params.priority <= head.params.priority:
+                return
+            if len(self.running) < self.max_num_seqs and self._fits(head):
+                return
+            self._preempt(victim)
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether the pool could give seq its blocks now."""
+        needed = -(-len(seq.token_ids) // self.block_size)
+        keys = self._prompt_keys(seq)
+        reused = [] if seq.params.prompt_logprobs else self.blocks.match(keys, seq.token_ids)
+        return self.blocks.can_allocate(needed - len(reused), reused)
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """Prediction tokens to verify after seq's last token, within the budget, max_tokens and the context."""
@@ -203,7 +271,8 @@ class Scheduler:
         now = time.perf_counter()
         keep: deque[Sequence] = deque()
         for seq in self.waiting:
-            if not seq.admitted_once and now - seq.arrival > self.queue_timeout:
+            batch = seq.params.priority >= BATCH_PRIORITY  # batch work waits within its own 24 h window
+            if not batch and not seq.admitted_once and now - seq.arrival > self.queue_timeout:
                 self.num_timed_out += 1
                 message = (
                     f"the request waited {now - seq.arrival:.0f} s for a free slot (queue timeout "
@@ -280,7 +349,7 @@ class Scheduler:
         """Make room for `num_tokens` in seq's blocks, preempting the newest sequences if needed."""
         while len(seq.block_table) * self.block_size < num_tokens:
             if self.blocks.num_available == 0:
-                victim = next(s for s in reversed(self.running) if not s.finished)
+                victim = self._victim()
                 self._preempt(victim)
                 if victim is seq:
                     return False
@@ -292,5 +361,5 @@ class Scheduler:
         self.free(seq)
         seq.num_computed = 0
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        self._insert(seq, after_equal=False)
         self.num_preemptions += 1

@@ -27,6 +27,7 @@ class FrontSettings:
     fault_injection: bool = False
     max_waiting: int | None = None
     affinity: bool = True
+    batch: object = None  # api.batch_config.BatchSettings (None: the defaults)
 
 
 @serve.ingress()
@@ -51,7 +52,7 @@ class Front:
             chat_template=ChatTemplate.for_tokenizer(tokenizer),
             collectors=[ReplicaCollector(client)],
         )
-        self._fastapi = create_app(ctx, Keyring(settings.api_keys, settings.api_keys_file))
+        self._fastapi = create_app(ctx, Keyring(settings.api_keys, settings.api_keys_file), settings.batch)
 
     def __serve_build_asgi_app__(self):
         return self._fastapi

@@ -116,6 +116,7 @@ def serve_on_ray(args, api_keys: list[str]) -> None:
             fault_injection=args.enable_fault_injection,
             max_waiting=args.max_waiting,
             affinity=args.routing == "affinity",
+            batch=_front_batch_settings(args),
         )
         log.info(
             "starting %s on Ray: %s engine replica(s) x %d thread(s), %s routing (cluster: %g CPUs)",
@@ -149,3 +150,14 @@ def _wait_for_signal() -> None:
         pass
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)  # a second signal exits at once
+
+
+def _front_batch_settings(args):
+    """The Files and Batch APIs' settings for the one front (the database's only writer), with an absolute data
+    directory: the front does not run in our directory."""
+    from waferscale.api.batch_config import BatchSettings
+    from waferscale.cli import batch_settings
+
+    settings: BatchSettings = batch_settings(args)
+    settings.data_dir = settings.directory().resolve()
+    return settings

@@ -1,0 +1,92 @@
+"""Scheduling priorities (service tiers, batch work below them) on a small block pool, with no model."""
+
+from __future__ import annotations
+
+from fakes import make_seq
+from test_scheduler import sched, step
+
+from waferscale.engine.params import BATCH_PRIORITY, TIER_PRIORITY
+
+FLEX, DEFAULT, PRIORITY = TIER_PRIORITY["flex"], TIER_PRIORITY["default"], TIER_PRIORITY["priority"]
+
+
+def test_a_waiting_request_of_a_higher_tier_is_admitted_first():
+    s = sched(max_num_seqs=1)
+    s.add(make_seq("run", [1, 2, 3], max_tokens=2))
+    step(s)
+    flex, default, first = (make_seq(n, [4, 5, 6], priority=p) for n, p in
+                            (("flex", FLEX), ("default", DEFAULT), ("priority", PRIORITY)))  # fmt: skip
+    for seq in (flex, default, first):
+        s.add(seq)
+    assert [q.request_id for q in s.waiting] == ["priority", "default", "flex"]
+
+
+def test_equal_priorities_keep_their_arrival_order():
+    s = sched()
+    for name in ("a", "b", "c"):
+        s.add(make_seq(name, [1, 2], priority=BATCH_PRIORITY))
+    s.add(make_seq("i", [1, 2]))
+    assert [q.request_id for q in s.waiting] == ["i", "a", "b", "c"]
+
+
+def test_batch_work_gives_its_slot_to_an_interactive_request():
+    s = sched(max_num_seqs=2)
+    batch = [make_seq(f"b{i}", [1, 2, 3], max_tokens=50, priority=BATCH_PRIORITY) for i in range(2)]
+    for seq in batch:
+        s.add(seq)
+    step(s)
+    assert len(s.running) == 2
+    live = make_seq("live", [9, 9, 9], max_tokens=5)
+    s.add(live)
+    step(s)
+    assert live in s.running
+    assert batch[1] in s.waiting and batch[0] in s.running  # the newest batch sequence yielded, not failed
+    assert s.num_preemptions == 1
+
+
+def test_batch_work_gives_its_blocks_to_an_interactive_request():
+    s = sched(num_blocks=5, block_size=4)  # 4 usable blocks
+    hog = make_seq("hog", list(range(12)), max_tokens=50, priority=BATCH_PRIORITY)  # 3 blocks, then a 4th
+    s.add(hog)
+    step(s)
+    live = make_seq("live", list(range(100, 108)), max_tokens=2)  # needs 2 blocks
+    s.add(live)
+    step(s)
+    assert live in s.running and hog in s.waiting
+    while not live.finished:
+        step(s)
+    while not hog.finished and hog.num_generated < 3:
+        step(s)
+    assert hog in s.running  # resumed once the blocks were free again
+
+
+def test_an_interactive_request_never_preempts_one_of_its_own_tier():
+    s = sched(max_num_seqs=1)
+    first = make_seq("first", [1, 2, 3], max_tokens=20)
+    s.add(first)
+    step(s)
+    s.add(make_seq("second", [4, 5, 6]))
+    step(s)
+    assert s.running == [first] and s.num_preemptions == 0
+
+
+def test_a_preempted_batch_sequence_resumes_before_later_batch_work():
+    s = sched(max_num_seqs=1)
+    old = make_seq("old", [1, 2, 3], max_tokens=20, priority=BATCH_PRIORITY)
+    s.add(old)
+    step(s)
+    s.add(make_seq("new", [1, 2, 3], priority=BATCH_PRIORITY))
+    s.add(make_seq("live", [7, 7, 7], max_tokens=3))
+    step(s)
+    assert [q.request_id for q in s.waiting] == ["old", "new"]
+
+
+def test_batch_work_never_times_out_in_the_queue():
+    s = sched(max_num_seqs=1)
+    s.add(make_seq("run", [1, 2, 3], max_tokens=20))
+    step(s)
+    s.queue_timeout = 0.0  # any interactive request waiting now would time out
+    waiting = make_seq("batch", [1, 2, 3], priority=BATCH_PRIORITY)
+    s.add(waiting)
+    step(s)
+    assert not waiting.finished and waiting in s.waiting
