@@ -1,11 +1,9 @@
-"""How many CPU threads the engine decodes on, and how its OpenMP threads wait: set before PyTorch is imported.
+"""How many CPU threads the engine decodes on: OMP_NUM_THREADS, set before PyTorch is imported (which reads it).
 
-A decode step runs hundreds of small OpenMP parallel regions, each ending at a barrier. libgomp's default is to
-spin at a barrier before it sleeps; on a CPU shared with another process that spinning thread holds a core the
-thread it waits for needs (or shares a core with it), and every barrier waits a scheduler time slice: decoding
-collapses (scripts/bench_json_mode.py --busy measures it). Waiting passively (OMP_WAIT_POLICY=PASSIVE) lets the
-waiting thread give its core up at once, so decoding slows in proportion to the CPU it gets. An operator's own
-OMP_WAIT_POLICY (ACTIVE on a machine that runs nothing else) and OMP_NUM_THREADS are kept.
+`--threads N` gives the engine N threads (fewer than the CPUs leaves the rest to other processes); without it, the
+operator's OMP_NUM_THREADS, else every CPU this process may run on. Within that count the engine's ThreadGovernor
+(engine/thread_governor.py) runs fewer threads while another process takes a core. libgomp's wait policy is left
+as the operator sets it: its default (spin, then sleep) is the fastest on a CPU of the engine's own.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ThreadPlan:
-    """The engine's thread count, the CPUs this process may run on, and libgomp's wait policy."""
+    """The engine's most threads, the CPUs this process may run on, and libgomp's wait policy (as set)."""
 
     threads: int
     cpus: int
@@ -25,8 +23,8 @@ class ThreadPlan:
     def describe(self) -> str:
         """One log line's worth: what the engine uses, and why an operator might change it."""
         return (
-            f"decoding on {self.threads} thread(s) of {self.cpus} CPU(s), OpenMP wait policy "
-            f"{self.wait_policy.lower()} (--threads N leaves CPUs to other processes)"
+            f"decoding on up to {self.threads} thread(s) of {self.cpus} CPU(s), fewer while other processes "
+            f"take cores; OpenMP wait policy: {self.wait_policy} (--threads N leaves CPUs to other processes)"
         )
 
 
@@ -39,8 +37,8 @@ def available_cpus() -> int:
 
 
 def plan_threads(threads: int | None, environ: dict[str, str] | None = None) -> ThreadPlan:
-    """Set OMP_NUM_THREADS and OMP_WAIT_POLICY in `environ` (os.environ by default) for `threads` (None: the
-    operator's OMP_NUM_THREADS, else every available CPU); call before PyTorch is imported, which reads them."""
+    """Set OMP_NUM_THREADS in `environ` (os.environ by default) for `threads` (None: the operator's
+    OMP_NUM_THREADS, else every available CPU); call before PyTorch is imported, which reads it."""
     env = os.environ if environ is None else environ
     cpus = available_cpus()
     if threads is not None:
@@ -49,5 +47,4 @@ def plan_threads(threads: int | None, environ: dict[str, str] | None = None) -> 
         env["OMP_NUM_THREADS"] = str(threads)
     elif not env.get("OMP_NUM_THREADS", "").isdigit() or int(env["OMP_NUM_THREADS"]) < 1:
         env["OMP_NUM_THREADS"] = str(cpus)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return ThreadPlan(int(env["OMP_NUM_THREADS"]), cpus, env["OMP_WAIT_POLICY"].upper())
+    return ThreadPlan(int(env["OMP_NUM_THREADS"]), cpus, env.get("OMP_WAIT_POLICY", "default").lower())
