@@ -38,7 +38,7 @@ TIME = {
             "properties": {"timezone": {"type": "string", "maxLength": 40}},
             "required": ["timezone"],
             "additionalProperties": False,
-        },  # not strict: constrained all the same (maxLength too, which strict schemas may not use)
+        },  # not strict: constrained all the same (maxLength included)
     },
 }
 ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]

@@ -42,6 +42,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "the model would not fit in memory as bf16. Figures: README, docs/quantization.md",
     )
     p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="CPU threads the engine decodes on (default: OMP_NUM_THREADS, else every CPU this process may use); "
+        "fewer leaves CPUs to other processes on a shared machine",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         metavar="N",
@@ -298,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command in ("serve", "complete"):
         _check_model_path(args.model)
+        if getattr(args, "replicas", None) is None:  # Ray replicas get theirs from --replica-threads
+            _plan_threads(args)
     if args.command == "serve":
         serve(args)
     elif args.command == "complete":
@@ -314,6 +323,18 @@ def main(argv: list[str] | None = None) -> None:
         from waferscale.batches_cli import main as batches_main
 
         batches_main(args)
+
+
+def _plan_threads(args) -> None:
+    """Thread count and OpenMP wait policy into the environment, before PyTorch is imported (threads.py)."""
+    from waferscale.threads import plan_threads
+
+    try:
+        plan = plan_threads(args.threads)
+    except ValueError as exc:
+        print(f"waferscale: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    logging.getLogger("waferscale").info("%s", plan.describe())
 
 
 def _check_model_path(path: str | None) -> None:

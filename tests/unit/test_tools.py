@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import re
+import uuid
+from typing import Literal, Optional
 
 import llguidance
 import pytest
+from openai import pydantic_function_tool
+from openai.lib._pydantic import to_strict_json_schema
+from pydantic import BaseModel, Field
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from waferscale.api.errors import APIError
@@ -109,7 +115,7 @@ WEATHER = {
         },
     },
 }
-TIME = {  # not strict, with keywords outside the strict subset: still constrained (leniently)
+TIME = {  # not strict (an optional property would be refused in strict mode): still constrained, leniently
     "type": "function",
     "function": {
         "name": "get_time",
@@ -407,14 +413,30 @@ def test_response_format_strict_schema():
     assert PLAIN.rejects(g, json.dumps(missing))
 
 
-def test_response_format_not_strict_is_any_object():
-    for rf in [
-        _rf(PERSON, strict=False),
-        {"type": "json_schema", "json_schema": {"name": "p"}},
-        _rf({"type": "object", "minProperties": 3}, strict=False),
-    ]:
-        g = response_format_grammar(rf)
-        assert PLAIN.complete(g, '{"anything": true}') and PLAIN.rejects(g, "[1]")
+def test_response_format_without_a_schema_is_any_object():
+    g = response_format_grammar({"type": "json_schema", "json_schema": {"name": "p"}})
+    assert PLAIN.complete(g, '{"anything": true}') and PLAIN.rejects(g, "[1]")
+
+
+def test_response_format_not_strict_enforces_what_it_can_and_ignores_the_rest():
+    schema = {  # not strict mode's subset (an optional property, uniqueItems), never refused for it
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 5},
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        },
+        "required": ["name"],
+    }
+    g = response_format_grammar(_rf(schema, strict=False))
+    assert PLAIN.complete(g, '{"name": "Ada"}')
+    assert PLAIN.complete(g, '{"name": "Ada", "tags": ["x", "x"]}')  # uniqueItems: ignored
+    assert not PLAIN.complete(g, '{"name": "Ada Lovelace"}')  # maxLength: enforced
+    assert not PLAIN.complete(g, '{"tags": []}')  # required: enforced
+    # a schema llguidance cannot compile at all still gets a JSON object
+    g = response_format_grammar(
+        _rf({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, strict=False)
+    )
+    assert PLAIN.complete(g, '{"anything": true}') and PLAIN.rejects(g, "[1]")
 
 
 @pytest.mark.parametrize(
@@ -483,10 +505,42 @@ S = "response_format.json_schema.schema"
             f"{S}.properties.a.anyOf",
             ["anyOf"],
         ),
-        (_obj({"a": {"type": "integer", "minimum": 0}}), f"{S}.properties.a.minimum", ["'minimum'"]),
-        (_obj({"a": {"type": "string", "pattern": "x+"}}), f"{S}.properties.a.pattern", ["'pattern'"]),
+        (
+            _obj({"a": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}),
+            f"{S}.properties.a.uniqueItems",
+            ["'uniqueItems'", "cannot enforce", "maxItems"],
+        ),
+        (_obj({"a": {"not": {"type": "string"}}}), f"{S}.properties.a.not", ["'not'"]),
+        (
+            _obj({"a": {"type": "string", "minimum": 0}}),
+            f"{S}.properties.a.minimum",
+            ["'minimum'", "integer"],
+        ),
+        (_obj({"a": {"type": "string", "maxLength": -1}}), f"{S}.properties.a.maxLength", ["non-negative"]),
+        (_obj({"a": {"type": "string", "maxLength": "40"}}), f"{S}.properties.a.maxLength", ["integer"]),
+        (
+            _obj({"a": {"type": "number", "multipleOf": 0}}),
+            f"{S}.properties.a.multipleOf",
+            ["greater than 0"],
+        ),
+        (_obj({"a": {"type": "integer", "maximum": True}}), f"{S}.properties.a.maximum", ["number"]),
+        (
+            _obj({"a": {"type": "string", "pattern": "(?<=a)b"}}),
+            f"{S}.properties.a.pattern",
+            ["'pattern'", "look-around"],
+        ),
+        (_obj({"a": {"type": "string", "pattern": "(ab"}}), f"{S}.properties.a.pattern", ["unclosed group"]),
+        (
+            _obj({"a": {"type": "array", "prefixItems": [{"type": "string"}]}}),
+            f"{S}.properties.a.items",
+            ["prefixItems"],
+        ),
         (_obj({"a": {"oneOf": [{"type": "string"}]}}), f"{S}.properties.a.oneOf", ["'oneOf'", "anyOf"]),
-        (_obj({"a": {"allOf": [{"type": "string"}]}}), f"{S}.properties.a.allOf", ["'allOf'"]),
+        (
+            _obj({"a": {"allOf": [{"type": "string"}, {"maxLength": 3}]}}),
+            f"{S}.properties.a.allOf",
+            ["'allOf'", "one schema"],
+        ),
         (_obj({"a": {"type": "string", "nullable": True}}), f"{S}.properties.a.nullable", ["'nullable'"]),
         (_obj({"a": {"$ref": "#/$defs/missing"}}), f"{S}.properties.a.$ref", ["$ref"]),
         (_obj({"a": {**_obj({}), "$defs": {}}}), f"{S}.properties.a.$defs", ["$defs"]),
@@ -506,9 +560,9 @@ S = "response_format.json_schema.schema"
         ),
         (_obj({"a": {"enum": []}}), f"{S}.properties.a.enum", ["enum"]),
         (
-            _obj({"a": {"anyOf": [{"type": "string", "maxLength": 3}]}}),
-            f"{S}.properties.a.anyOf[0].maxLength",
-            ["'maxLength'"],
+            _obj({"a": {"anyOf": [{"type": "string", "maxItems": 3}]}}),
+            f"{S}.properties.a.anyOf[0].maxItems",
+            ["'maxItems'", '"array"'],
         ),
         (
             {**_obj({"a": {"$ref": "#/$defs/x"}}), "$defs": {"x": {"type": "object", "properties": {}}}},
@@ -560,6 +614,192 @@ def test_pydantic_style_schema_with_annotations():
     assert "title" not in g and "default" not in g  # annotations are dropped from the grammar
     assert PLAIN.complete(g, '{"city": "Rome", "unit": "c"}')
     assert PLAIN.rejects(g, '{"city": "Rome", "unit": "k"}')
+
+
+def test_strict_schema_enforces_string_number_and_array_constraints():
+    schema = _obj(
+        {
+            "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            "name": {"type": "string", "minLength": 2, "maxLength": 4},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "score": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+            "step": {"type": "integer", "multipleOf": 5},
+            "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2},
+            "point": {
+                "type": "array",
+                "prefixItems": [{"type": "integer"}, {"type": "string"}],
+                "maxItems": 2,
+            },
+            "ref": {
+                "allOf": [{"$ref": "#/$defs/Unit"}],
+                "description": "Pydantic's older $ref with annotations",
+            },
+        },
+        **{"$defs": {"Unit": {"type": "string", "enum": ["c", "f"]}}},
+    )
+    g = response_format_grammar(_rf(schema))
+    good = {
+        "code": "ABC",
+        "name": "Ada",
+        "age": 36,
+        "score": 0.5,
+        "step": 15,
+        "tags": ["x"],
+        "point": [1, "y"],
+        "ref": "c",
+    }
+    assert PLAIN.complete(g, json.dumps(good))
+    for change in [
+        {"code": "AB"},
+        {"code": "abc"},
+        {"name": "A"},
+        {"name": "Adaline"},
+        {"age": -1},
+        {"age": 131},
+        {"score": 0},
+        {"score": 1},
+        {"step": 7},
+        {"tags": []},
+        {"tags": ["a", "b", "c"]},
+        {"point": ["y", 1]},
+        {"point": [1, "y", 2]},
+        {"ref": "k"},
+    ]:
+        assert not PLAIN.complete(g, json.dumps({**good, **change})), change
+
+
+# Pydantic v2 models as users write them, converted for strict mode as the OpenAI SDK's `parse` and
+# `pydantic_function_tool` do (openai.lib._pydantic.to_strict_json_schema).
+class _Role(str, enum.Enum):
+    admin = "admin"
+    user = "user"
+
+
+class _Address(BaseModel):
+    city: str = Field(min_length=1, max_length=40)
+    zip: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class _Person(BaseModel):
+    """A person."""
+
+    name: str = Field(max_length=40, description="full name")
+    age: int = Field(ge=0, le=130)
+    height: float = Field(gt=0, lt=3.0, multiple_of=0.01)
+    role: _Role
+    kind: Literal["human", "robot"]
+    email: Optional[str] = Field(default=None)  # noqa: UP045 - what users write
+    tags: list[str] = Field(min_length=1, max_length=3)
+    address: _Address
+    previous: list[_Address] = Field(max_length=2)
+    nick: _Address | None = None
+    point: tuple[int, int]
+
+
+def test_pydantic_v2_schemas_are_accepted_and_enforced():
+    schema = to_strict_json_schema(_Person)
+    g = response_format_grammar(_rf(schema))
+    person = _Person(
+        name="Ada",
+        age=36,
+        height=1.65,
+        role="admin",
+        kind="human",
+        tags=["math"],
+        address={"city": "London", "zip": "12345"},
+        previous=[],
+        point=(1, 2),
+    )
+    assert PLAIN.complete(g, person.model_dump_json())
+    for change in [{"name": "x" * 41}, {"age": 131}, {"height": 1.655}, {"tags": []}, {"point": [1]}]:
+        assert not PLAIN.complete(g, json.dumps({**person.model_dump(mode="json"), **change})), change
+    bad_zip = person.model_dump(mode="json")
+    bad_zip["address"]["zip"] = "1234"
+    assert not PLAIN.complete(g, json.dumps(bad_zip))
+    tool = pydantic_function_tool(_Person)
+    assert tool["function"]["strict"] is True
+    assert tool_grammar([tool], "required", False, "hermes") is not None
+
+
+def test_zod_style_schemas_are_accepted():
+    # as zod-to-json-schema writes z.object({...}) with definitionPath "$defs" (target: draft-07)
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 40},  # z.string().min(1).max(40)
+            "email": {"type": "string", "format": "email"},  # .email()
+            "site": {"type": "string", "format": "uri"},  # .url()
+            "id": {"type": "string", "format": "uuid"},  # .uuid()
+            "at": {"type": "string", "format": "date-time"},  # .datetime()
+            "sku": {"type": "string", "pattern": "^[A-Z]{3}-\\d{4}$"},  # .regex(/^[A-Z]{3}-\d{4}$/)
+            "pin": {"type": "string", "minLength": 4, "maxLength": 4},  # .length(4)
+            "count": {"type": "integer", "exclusiveMinimum": 0},  # z.number().int().positive()
+            "ratio": {"type": "number", "minimum": 0, "maximum": 1},  # .min(0).max(1)
+            "kind": {"type": "string", "const": "order"},  # z.literal("order")
+            "status": {"type": "string", "enum": ["open", "closed"]},  # z.enum([...])
+            "lines": {"type": "array", "items": {"$ref": "#/$defs/line"}, "minItems": 1, "maxItems": 10},
+            "note": {"anyOf": [{"type": "string", "maxLength": 80}, {"type": "null"}]},  # .max(80).nullable()
+        },
+        "required": [
+            "name",
+            "email",
+            "site",
+            "id",
+            "at",
+            "sku",
+            "pin",
+            "count",
+            "ratio",
+            "kind",
+            "status",
+            "lines",
+            "note",
+        ],
+        "additionalProperties": False,
+        "$defs": {
+            "line": {
+                "type": "object",
+                "properties": {
+                    "qty": {"type": "integer", "minimum": 1},
+                    "price": {"type": "number", "multipleOf": 0.5},
+                },
+                "required": ["qty", "price"],
+                "additionalProperties": False,
+            }
+        },
+        "$schema": "http://json-schema.org/draft-07/schema#",
+    }
+    g = response_format_grammar(_rf(schema))
+    doc = {
+        "name": "Ada",
+        "email": "ada@example.com",
+        "site": "https://example.com/a",
+        "id": str(uuid.UUID(int=7)),
+        "at": "2026-01-02T03:04:05Z",
+        "sku": "ABC-1234",
+        "pin": "0042",
+        "count": 3,
+        "ratio": 0.25,
+        "kind": "order",
+        "status": "open",
+        "lines": [{"qty": 2, "price": 9.5}],
+        "note": None,
+    }
+    assert PLAIN.complete(g, json.dumps(doc))
+    for change in [
+        {"email": "ada"},
+        {"sku": "AB-1234"},
+        {"pin": "42"},
+        {"count": 0},
+        {"lines": [{"qty": 1, "price": 0.3}]},
+    ]:
+        assert not PLAIN.complete(g, json.dumps({**doc, **change})), change
+
+
+def test_extension_keywords_are_annotations():
+    schema = _obj({"a": {"type": "string", "x-order": 1, "example": "hi"}}, **{"x-generator": "openapi"})
+    g = response_format_grammar(_rf(schema))
+    assert "x-order" not in g and "x-generator" not in g and PLAIN.complete(g, '{"a": "hi"}')
 
 
 # ------------------------------------------------------------------------------------------------ parsing

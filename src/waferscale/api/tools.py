@@ -41,19 +41,22 @@ MAX_ANY_OF = 5
 MAX_SCHEMA_DEPTH = 64
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
-# JSON Schema keywords that only annotate: accepted in strict schemas and dropped before compiling.
+# JSON Schema keywords that only annotate: accepted in strict schemas and dropped before compiling (so are "x-" keys).
 ANNOTATIONS = frozenset(
     {
         "title",
         "description",
         "default",
         "examples",
+        "example",
         "$comment",
         "$schema",
         "$id",
         "deprecated",
         "readOnly",
         "writeOnly",
+        "contentEncoding",
+        "contentMediaType",
     }
 )
 # String formats llguidance enforces; strict schemas may use them (others are rejected, not silently ignored).
@@ -61,16 +64,26 @@ FORMATS = frozenset(
     {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
 )
 TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
-_NODE_KEYWORDS = frozenset({"type", "enum", "const", "anyOf", "$ref"})
+_NODE_KEYWORDS = frozenset({"type", "enum", "const", "anyOf", "allOf", "$ref"})
+_NUMERIC_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
+# Keywords that constrain one type, all enforced by llguidance while decoding.
 _TYPE_KEYWORDS = {
-    "object": {"properties", "required", "additionalProperties"},
-    "array": {"items"},
-    "string": {"format"},
+    "object": frozenset({"properties", "required", "additionalProperties", "minProperties", "maxProperties"}),
+    "array": frozenset({"items", "prefixItems", "minItems", "maxItems"}),
+    "string": frozenset({"format", "pattern", "minLength", "maxLength"}),
+    "number": _NUMERIC_KEYWORDS,
+    "integer": _NUMERIC_KEYWORDS,
 }
+_COUNTS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"})
+_SUPPORTED = (
+    "type, enum, const, anyOf, allOf (one schema), $ref/$defs; objects: properties, required, "
+    "additionalProperties: false, minProperties, maxProperties; arrays: items, prefixItems, minItems, maxItems; "
+    "strings: format, pattern, minLength, maxLength; numbers: minimum, maximum, exclusiveMinimum, "
+    "exclusiveMaximum, multipleOf; annotations such as description"
+)
 _HINTS = {
     "definitions": "'definitions' is not supported in JSON schema. Use '$defs' instead",
     "oneOf": "'oneOf' is not supported in strict JSON schema; use 'anyOf' (at most 5 branches)",
-    "allOf": "'allOf' is not supported in strict JSON schema; write the combined schema out (or use '$ref')",
     "nullable": '\'nullable\' is not supported in JSON schema; use anyOf with {"type": "null"}',
 }
 
@@ -88,12 +101,14 @@ _ANY_OBJECT: dict = {"type": "object"}
 
 
 def validate_strict_schema(schema: dict, param: str) -> None:
-    """Raise APIError(400) unless `schema` keeps to the subset strict mode supports (reference §5).
+    """Raise APIError(400) unless `schema` keeps to what strict mode supports (reference §5) and can enforce.
 
-    Subset: type (one of string, number, integer, boolean, object, array, null), enum, const, anyOf (1..5
-    branches), $ref to "#" or "#/$defs/<name>", $defs at the root; objects list every property in `required` and
-    set `additionalProperties: false`; arrays give `items` (a schema, or false); strings may name a `format`
-    llguidance enforces. Annotations (title, description, default, examples, ...) are accepted and ignored.
+    The hosted service's rules: type is one of string, number, integer, boolean, object, array, null (no lists);
+    anyOf has 1..5 branches; $ref points to "#" or "#/$defs/<name>", $defs at the root; objects list every property
+    in `required` and set `additionalProperties: false`; arrays give `items` (a schema, or false). Beyond them, every
+    keyword llguidance enforces while decoding is accepted (string length, pattern, format, numeric bounds and
+    multipleOf, array and object sizes, prefixItems, a one-schema allOf); annotations (title, description, default,
+    examples, "x-" extensions, ...) are accepted and ignored. Anything else is refused, naming the keyword.
     """
     if not isinstance(schema, dict):
         raise APIError(400, "The JSON schema must be an object.", param=param)
@@ -103,6 +118,10 @@ def validate_strict_schema(schema: dict, param: str) -> None:
     _check_node(schema, param, defs or {}, root=True, depth=0)
     for name, sub in (defs or {}).items():
         _check_node(sub, f"{param}.$defs.{name}", defs, root=False, depth=1)
+
+
+def _is_annotation(key: str) -> bool:
+    return key in ANNOTATIONS or key.startswith("x-")
 
 
 def _check_node(node: Any, path: str, defs: dict, *, root: bool, depth: int) -> None:
@@ -135,19 +154,23 @@ def _check_node(node: Any, path: str, defs: dict, *, root: bool, depth: int) -> 
             f"Unsupported type {kind!r} in JSON schema; use one of {', '.join(TYPES)}.",
             param=f"{path}.type",
         )
-    allowed = ANNOTATIONS | _NODE_KEYWORDS | _TYPE_KEYWORDS.get(kind, set()) | ({"$defs"} if root else set())
+    allowed = _NODE_KEYWORDS | _TYPE_KEYWORDS.get(kind, frozenset()) | ({"$defs"} if root else set())
     for key in node:
-        if key in allowed:
+        if key in allowed or _is_annotation(key):
             continue
         if key == "$defs":
             raise APIError(400, "'$defs' is only supported at the root of the schema.", param=f"{path}.$defs")
-        owner = next((t for t, kws in _TYPE_KEYWORDS.items() if key in kws), None)
-        if owner is not None:
-            raise APIError(400, f'\'{key}\' is only allowed with "type": "{owner}".', param=f"{path}.{key}")
+        owners = [t for t, kws in _TYPE_KEYWORDS.items() if key in kws]
+        if owners:
+            raise APIError(
+                400,
+                f"'{key}' is only allowed with " + " or ".join(f'"type": "{t}"' for t in owners) + ".",
+                param=f"{path}.{key}",
+            )
         raise APIError(
             400,
-            f"'{key}' is not supported in strict JSON schema. Supported: type, enum, const, anyOf, $ref/$defs, "
-            "properties, required, additionalProperties: false, items, format; annotations such as description.",
+            f"'{key}' is not supported in strict JSON schema: constrained decoding cannot enforce it. "
+            f"Supported: {_SUPPORTED}.",
             param=f"{path}.{key}",
         )
     if not _NODE_KEYWORDS & set(node):
@@ -168,23 +191,75 @@ def _check_node(node: Any, path: str, defs: dict, *, root: bool, depth: int) -> 
             raise APIError(400, f"'anyOf' must list 1 to {MAX_ANY_OF} schemas.", param=f"{path}.anyOf")
         for i, sub in enumerate(branches):
             _check_node(sub, f"{path}.anyOf[{i}]", defs, root=False, depth=depth + 1)
+    if "allOf" in node:
+        if not isinstance(node["allOf"], list) or len(node["allOf"]) != 1:
+            raise APIError(
+                400,
+                "'allOf' is supported with one schema only (as Pydantic writes a $ref with annotations); write "
+                "the combined schema out.",
+                param=f"{path}.allOf",
+            )
+        _check_node(node["allOf"][0], f"{path}.allOf[0]", defs, root=False, depth=depth + 1)
+    for key in sorted(_COUNTS & set(node)):
+        value = node[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise APIError(400, f"'{key}' must be a non-negative integer.", param=f"{path}.{key}")
+    for key in sorted(_NUMERIC_KEYWORDS & set(node)):
+        value = node[key]
+        if not isinstance(value, int | float) or isinstance(value, bool) or (key == "multipleOf" and value <= 0):
+            positive = " greater than 0" if key == "multipleOf" else ""
+            raise APIError(400, f"'{key}' must be a number{positive}.", param=f"{path}.{key}")
     if kind == "object":
         _check_object(node, path, defs, depth)
     elif kind == "array":
-        if "items" not in node or node["items"] is True:
-            raise APIError(
-                400,
-                "'items: true' (or no 'items') is not supported for arrays; give the schema of the items.",
-                param=f"{path}.items",
-            )
-        if node["items"] is not False:
-            _check_node(node["items"], f"{path}.items", defs, root=False, depth=depth + 1)
-    elif kind == "string" and "format" in node and node["format"] not in FORMATS:
+        _check_array(node, path, defs, depth)
+    elif kind == "string":
+        _check_string(node, path)
+
+
+def _check_array(node: dict, path: str, defs: dict, depth: int) -> None:
+    prefix = node.get("prefixItems")
+    if prefix is not None:
+        if not isinstance(prefix, list) or not prefix:
+            raise APIError(400, "'prefixItems' must be a non-empty list of schemas.", param=f"{path}.prefixItems")
+        for i, sub in enumerate(prefix):
+            _check_node(sub, f"{path}.prefixItems[{i}]", defs, root=False, depth=depth + 1)
+    closed = prefix is not None and node.get("maxItems", len(prefix) + 1) <= len(prefix)  # no items past them
+    if "items" not in node and closed:
+        return
+    if "items" not in node or node["items"] is True:
+        raise APIError(
+            400,
+            "'items: true' (or no 'items') is not supported for arrays; give the schema of the items"
+            + (" after 'prefixItems' (or false)." if prefix is not None else "."),
+            param=f"{path}.items",
+        )
+    if node["items"] is not False:
+        _check_node(node["items"], f"{path}.items", defs, root=False, depth=depth + 1)
+
+
+def _check_string(node: dict, path: str) -> None:
+    if "format" in node and node["format"] not in FORMATS:
         raise APIError(
             400,
             f"'format' {node['format']!r} is not supported; use one of {', '.join(sorted(FORMATS))}.",
             param=f"{path}.format",
         )
+    if "pattern" in node:
+        pattern = node["pattern"]
+        if not isinstance(pattern, str):
+            raise APIError(400, "'pattern' must be a regular expression in a string.", param=f"{path}.pattern")
+        err = llguidance.LLMatcher.validate_grammar(
+            f"start: x\nx: {_json_rule({'type': 'string', 'pattern': pattern})}\n"
+        )
+        if err:  # "...regex parse error:\n    <pattern>\n    ^^^\nerror: look-around, ... is not supported"
+            lines = [ln.strip() for ln in err.splitlines()]
+            reason = next((ln.removeprefix("error: ") for ln in lines if ln.startswith("error:")), lines[0])
+            raise APIError(
+                400,
+                f"'pattern' {pattern!r} cannot be used for constrained decoding: {reason}.",
+                param=f"{path}.pattern",
+            )
 
 
 def _check_object(node: dict, path: str, defs: dict, depth: int) -> None:
@@ -230,11 +305,11 @@ def _strip_annotations(node: Any) -> Any:
         return node
     out = {}
     for key, value in node.items():
-        if key in ANNOTATIONS:
+        if _is_annotation(key):
             continue
         if key in ("properties", "$defs"):
             value = {k: _strip_annotations(v) for k, v in value.items()}
-        elif key == "anyOf":
+        elif key in ("anyOf", "allOf", "prefixItems"):
             value = [_strip_annotations(v) for v in value]
         elif key == "items":
             value = _strip_annotations(value)
@@ -261,7 +336,7 @@ def _compile_error(lark: str) -> str | None:
 
 def _schema_rule(schema: Any, param: str, *, strict: bool, what: str) -> str:
     """The %json rule text for a user schema: strict ones validated and compiled (400 if llguidance refuses),
-    others compiled leniently, falling back to any JSON object."""
+    others compiled leniently (keywords llguidance cannot enforce ignored), falling back to any JSON object."""
     if strict:
         validate_strict_schema(schema, param)
         rule = _json_rule(_strip_annotations(schema))
@@ -281,8 +356,9 @@ def _schema_rule(schema: Any, param: str, *, strict: bool, what: str) -> str:
 def response_format_grammar(response_format: dict | None) -> str | None:
     """Lark text that constrains the output to `response_format`, or None for plain text.
 
-    json_object -> any JSON object; json_schema with strict: true and a schema -> that schema (checked first);
-    json_schema otherwise -> any JSON object (the schema is guidance only). Bounded whitespace may precede it.
+    json_object -> any JSON object; json_schema with strict: true -> that schema (checked first, 400 if outside
+    what strict mode supports); json_schema not strict -> what llguidance can enforce of the schema, the rest
+    ignored (any JSON object if it cannot compile it at all, or without a schema). Bounded whitespace may precede it.
     """
     rule = _format_rule(response_format)
     return None if rule is None else f"start: WS? value\nvalue: {rule}\n{_COMMON}"
@@ -308,12 +384,15 @@ def _format_rule(response_format: dict | None) -> str | None:
                 param="response_format.json_schema",
             )
         schema = spec.get("schema")
-        if spec.get("strict") is True and schema is not None:
-            rule = _schema_rule(
-                schema, "response_format.json_schema.schema", strict=True, what="response_format"
-            )
-        else:
+        if schema is None:
             rule = _json_rule(_ANY_OBJECT)
+        else:
+            rule = _schema_rule(
+                schema,
+                "response_format.json_schema.schema",
+                strict=spec.get("strict") is True,
+                what="response_format",
+            )
     else:
         raise APIError(
             400,

@@ -155,7 +155,8 @@ class GrammarMasks:
                 self._ll_tokenizer = llguidance.LLTokenizer(
                     self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._eos_ids
                 )
-                self._executor = llguidance.LLExecutor()
+                # no more mask threads than the engine's own: more would take CPUs from its OpenMP threads
+                self._executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
 
     def matcher(self, root: str, prompt: str) -> llguidance.LLMatcher:
         """A fresh matcher for `root`; for insidevalue, already advanced past the JSON the prompt left open."""
@@ -199,9 +200,12 @@ class GrammarMasks:
         # llguidance.torch would do this, but importing it runs torch.compile's imports (~6 s at start-up)
         words = (self.vocab_size + 31) // 32
         bits = torch.full((len(matchers), words), -1, dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bits.data_ptr(), words * 4, len(matchers)
-        )
+        if len(matchers) == 1:  # on this thread: handing one mask to the executor's pool costs a thread wake-up
+            matchers[0].unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
+        else:
+            self._executor.unsafe_compute_mask_ptr(
+                [(m, i) for i, m in enumerate(matchers)], bits.data_ptr(), words * 4, len(matchers)
+            )
         for m in matchers:
             if m.is_error():
                 raise GrammarError(m.get_error())

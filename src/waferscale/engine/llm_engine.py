@@ -7,6 +7,7 @@ the OutputProcessor, which samples and builds the events. Sequences join and lea
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -26,6 +27,7 @@ from waferscale.engine.params import SamplingParams
 from waferscale.engine.scheduler import ScheduledBatch, Scheduler
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import SpeculativeConfig
+from waferscale.engine.thread_governor import ThreadGovernor
 from waferscale.kernels import cpu_has_native_bf16
 from waferscale.models.loader import LoadedModel
 
@@ -74,6 +76,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.pool, self.native, block_size)
         self.faults = FaultHooks()
+        self.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
         self.grammars = GrammarMasks(loaded.tokenizer.tokenizer, cfg.vocab_size, self.eos_ids)
         self.output = OutputProcessor(
             self.tokenizer,
@@ -171,7 +174,11 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             events += [self.output.event(seq) for seq in batch.ended]
             if batch.decodes or batch.prefills:
+                key = None if batch.prefills else len(batch.decodes).bit_length()  # decode steps, by batch size
+                threads = self.threads.threads_for(key)
+                start = time.perf_counter()
                 events += self._run(batch)
+                self.threads.record(key, threads, time.perf_counter() - start)
         except Exception as exc:
             log.exception("engine step failed")
             self.failed_steps += 1
