@@ -10,6 +10,7 @@ from torch import nn
 from waferscale.models.config import ModelConfig, embed_scale
 from waferscale.models.layers.embedding import Embedding
 from waferscale.models.layers.linear import Linear, LoadContext, put
+from waferscale.models.layers.moe import split_stacked_experts
 from waferscale.models.layers.norm import RMSNorm
 from waferscale.models.layers.rotary import Rotary
 from waferscale.models.quant import QuantWeight
@@ -99,7 +100,7 @@ class CausalLM(nn.Module):
 
     def load_hf_state(self, tensors: dict[str, torch.Tensor | QuantWeight], dtype: torch.dtype) -> None:
         """Take weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up; a QuantWeight entry (see
-        models/quant/) is kept in its blocks."""
+        models/quant/) is kept in its blocks; experts stacked in one tensor are taken per expert."""
 
         def take(name: str) -> torch.Tensor | QuantWeight:
             if name not in tensors:
@@ -107,6 +108,8 @@ class CausalLM(nn.Module):
             value = tensors.pop(name)
             return value if isinstance(value, QuantWeight) else value.to(dtype)
 
+        if self.cfg.num_experts:
+            split_stacked_experts(tensors, self.cfg.num_experts)  # stacked experts as per-expert views
         embed = take("model.embed_tokens.weight")
         self.embed_tokens.load(embed, dtype)
         for path, module in list(self.named_modules()):

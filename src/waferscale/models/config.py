@@ -44,6 +44,15 @@ class ModelConfig:
     hidden_act: str = "silu"
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (None: head_dim's)
     final_logit_softcapping: float | None = None
+    # mixture of experts (0 experts: every layer dense): experts a layer, experts a token, whether the k weights are
+    # renormalised to sum to 1, each expert's width, and which layers are sparse (every decoder_sparse_step-th one,
+    # except mlp_only_layers, which keep a dense MLP of intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
+    moe_intermediate_size: int | None = None
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     @property
     def family(self) -> str:
@@ -55,6 +64,14 @@ class ModelConfig:
         if self.sliding_window is None or not self.layer_types or self.layer_types[layer] != SLIDING:
             return None
         return self.sliding_window
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward is a mixture of experts (as transformers' Qwen3-MoE decides)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % max(self.decoder_sparse_step, 1) == 0
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -18,7 +18,9 @@ from waferscale.models.quant import ACT_MODE
 class LlamaDecoderLayer(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(x)); the residual adds run inside the projections' kernels."""
 
-    def __init__(self, cfg: ModelConfig, index: int, qk_norm: type[nn.Module] | None = None):
+    def __init__(
+        self, cfg: ModelConfig, index: int, qk_norm: type[nn.Module] | None = None, mlp: nn.Module | None = None
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(
@@ -32,7 +34,7 @@ class LlamaDecoderLayer(nn.Module):
             norm_eps=cfg.rms_norm_eps,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, h: torch.Tensor, rope, kv, index: int) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(h), rope, kv, index, residual=h)

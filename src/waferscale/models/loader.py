@@ -130,6 +130,7 @@ def _load_folder(
         if max_model_len < 1 or max_model_len > context:
             raise ModelLoadError(f"--max-model-len {max_model_len} is outside 1..{context} for this model")
         context = max_model_len
+    _refuse_unless_fits(sum(s.stat().st_size for s in shards), src)
     tensors: dict[str, torch.Tensor] = {}
     for shard in tqdm(shards, desc=f"loading {name}", unit="shard", disable=not progress, file=sys.stderr):
         # copies: load_file's tensors map the file, and a mapping lives as long as any tensor of it, with every
@@ -228,9 +229,41 @@ def _quantized_weights(src: Path, method: str, progress: bool) -> list[Path]:
 
 
 def _f32_copy_bytes(cfg: ModelConfig) -> int:
-    per_layer = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    per_layer += cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    return 4 * (cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size)
+    attn = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    attn += cfg.num_heads * cfg.head_dim * cfg.hidden_size
+    mlp = 0
+    for i in range(cfg.num_layers):  # a sparse layer's experts (and router) instead of its dense MLP
+        if cfg.is_moe(i):
+            mlp += cfg.num_experts * (3 * cfg.hidden_size * cfg.moe_intermediate_size + cfg.hidden_size)
+        else:
+            mlp += 3 * cfg.hidden_size * cfg.intermediate_size
+    return 4 * (cfg.num_layers * attn + mlp + cfg.vocab_size * cfg.hidden_size)
+
+
+def _refuse_unless_fits(need: int, src: Path) -> None:
+    """Refuse weights that cannot fit in the memory available, before reading them (a mixture of experts holds
+    every expert: a model that reads 3B weights a token may need 30B in memory)."""
+    available = _available_memory()
+    if available and need > available:
+        raise ModelLoadError(
+            f"{src} needs {need / 2**30:.1f} GiB of memory for its weights and {available / 2**30:.1f} GiB is "
+            "available: free memory, or serve it more quantized (a Q4_K_M GGUF, or --quantization int4)"
+        )
+
+
+def _gguf_weight_bytes(src: Path, dtype: torch.dtype, quantization: str) -> int:
+    """At least the bytes a GGUF's weights take once loaded: quantized tensors kept in their blocks (about their
+    size in the file), the others at dtype."""
+    from waferscale.models.gguf_file import read_gguf_file
+
+    total = 0
+    for t in read_gguf_file(src).tensors:
+        quantized = t.tensor_type.name not in ("F32", "F16", "BF16")
+        if quantized and quantization != "none" and len(t.shape) in (2, 3):
+            total += t.data.nbytes
+        else:
+            total += int(np.prod([int(d) for d in t.shape])) * dtype.itemsize
+    return total
 
 
 def _available_memory() -> int:
@@ -259,6 +292,10 @@ def _converted_gguf(src: Path, dtype: str, progress: bool, quantization: str = "
     folder = cache_root() / "converted" / f"{derive_name(src)}-{label}-{key}"
     if (folder / "complete").is_file():
         return folder
+    try:
+        _refuse_unless_fits(_gguf_weight_bytes(src, DTYPES[dtype], quantization), src)
+    except (ValueError, OSError):  # not a readable GGUF: read_gguf says why
+        pass
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     cfg, tokenizer, tensors = read_gguf(src, DTYPES[dtype], progress, quantization)
@@ -355,8 +392,9 @@ def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True, quantization
     ):
         parts = t.name.split(".")
         w = None
-        if quantization != "none" and len(t.shape) == 2:
-            n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists dimensions innermost first
+        if quantization != "none" and len(t.shape) in (2, 3):
+            # GGUF lists dimensions innermost first; experts stacked in 3-D ([K, N, E]) become E * N rows
+            n, k = int(np.prod([int(d) for d in t.shape[1:]])), int(t.shape[0])
             w = from_gguf(np.asarray(t.data), t.tensor_type.name, n, k)
             if w is None and quantization in ("int8", "int4") and k % 32 == 0 and t.name != "rope_freqs.weight":
                 dense = dequantize(t.data, t.tensor_type).reshape(n, k)

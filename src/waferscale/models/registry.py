@@ -34,6 +34,31 @@ def _qwen3_hf(cfg, raw: dict[str, Any]) -> None:
         cfg.layer_types = layer_types_from(raw, cfg.num_layers, window, raw.get("max_window_layers", 0))
 
 
+def _qwen3_moe_hf(cfg, raw: dict[str, Any]) -> None:
+    """Qwen3 attention; experts as config.json says (transformers 5 writes num_local_experts for num_experts)."""
+    _qwen3_hf(cfg, raw)
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if not experts or not raw.get("num_experts_per_tok") or not raw.get("moe_intermediate_size"):
+        raise ValueError("a qwen3_moe config.json needs num_experts, num_experts_per_tok and moe_intermediate_size")
+    cfg.num_experts = experts
+    cfg.num_experts_per_tok = raw["num_experts_per_tok"]
+    cfg.norm_topk_prob = bool(raw.get("norm_topk_prob", False))
+    cfg.moe_intermediate_size = raw["moe_intermediate_size"]
+    cfg.decoder_sparse_step = raw.get("decoder_sparse_step") or 1
+    cfg.mlp_only_layers = list(raw.get("mlp_only_layers") or [])
+
+
+def _qwen3_moe_gguf(cfg, meta) -> None:
+    """llama.cpp's qwen3moe: every layer sparse, the k weights always renormalised."""
+    cfg.qk_norm = True
+    cfg.num_experts = meta("expert_count", 0)
+    cfg.num_experts_per_tok = meta("expert_used_count", 0)
+    cfg.moe_intermediate_size = meta("expert_feed_forward_length", None)
+    if not cfg.num_experts or not cfg.num_experts_per_tok or not cfg.moe_intermediate_size:
+        raise ValueError("a qwen3moe GGUF needs expert_count, expert_used_count and expert_feed_forward_length")
+    cfg.norm_topk_prob = True
+
+
 def _gemma3_hf(cfg, raw: dict[str, Any]) -> None:
     from waferscale.models.config import gemma_pattern
 
@@ -93,6 +118,9 @@ class Family:
 
 
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# the router, and each projection of all experts stacked in one tensor (split per expert at load, see layers/moe.py)
+_EXPERTS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+            "ffn_down_exps": "mlp.experts.down_proj"}
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "waferscale.models.llama:LlamaForCausalLM", ("llama", "mistral", "qwen2"),
            ("llama", "mistral", "qwen2"), _llama_hf, _llama_gguf, gguf_permuted_qk=True),
@@ -103,6 +131,8 @@ FAMILIES: tuple[Family, ...] = (
            gguf_tensors={**_QK_NORMS, "post_attention_norm": "post_attention_layernorm",
                          "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
            gguf_norm_offset=-1.0),
+    Family("qwen3_moe", "waferscale.models.qwen3_moe:Qwen3MoeForCausalLM", ("qwen3_moe",), ("qwen3moe",),
+           _qwen3_moe_hf, _qwen3_moe_gguf, gguf_tensors={**_QK_NORMS, **_EXPERTS}),
 )
 
 

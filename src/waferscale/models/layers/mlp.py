@@ -18,15 +18,16 @@ ACTIVATIONS = {
 
 class GatedMLP(nn.Module):
     """gate and up fused in one projection (gate rows first); with SiLU and bf16 weights, both are packed in pairs
-    of panels so that one native pass gives silu(gate) * up."""
+    of panels so that one native pass gives silu(gate) * up. Biases on both projections where a family has them
+    (gpt-oss's experts)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
         self.inter, self.act = intermediate_size, act
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.kernels = None
         self.gate_up_pairs: torch.Tensor | None = None  # gate/up packed in pairs (silu only)
         self.pair_rows: int | None = None  # batches of at most this many rows use gate_up_pairs (None: any)
@@ -37,6 +38,7 @@ class GatedMLP(nn.Module):
         proj = self.gate_up_proj
         if (
             self.act != "silu"
+            or proj.bias is not None
             or proj.quant is not None
             or proj.weight.dtype != torch.bfloat16
             or not ctx.packs_bf16()

@@ -1,0 +1,153 @@
+"""Mixture-of-experts feed-forward layers: a router picks k experts a token, each expert is a gated MLP of its own
+`Linear`s (so it multiplies as the dense layers do: quantized blocks, packed bf16, float32 native), tokens are
+grouped by expert (one GEMM per active expert over its rows), and the results are weighted and summed.
+
+What differs between families is data, not code: the routing order (softmax then top-k for Qwen, top-k then
+softmax for gpt-oss), k, renormalisation of the top-k weights, router and expert biases, the activation, and a
+shared expert beside the routed ones (with its own sigmoid gate where the family has one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from waferscale.models.layers.linear import Linear
+from waferscale.models.layers.mlp import GatedMLP
+
+SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How router logits become (expert ids, weights) a token: `order` softmax_topk (softmax over all experts,
+    then the k largest) or topk_softmax (the k largest logits, then softmax over them); `renormalize` divides
+    softmax_topk's k weights by their sum (Qwen's norm_topk_prob)."""
+
+    top_k: int
+    order: str = SOFTMAX_TOPK
+    renormalize: bool = False
+
+    def __post_init__(self):
+        if self.order not in (SOFTMAX_TOPK, TOPK_SOFTMAX):
+            raise ValueError(f"unknown routing order {self.order!r} (choose {SOFTMAX_TOPK} or {TOPK_SOFTMAX})")
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 weights [T, k], int64 expert ids [T, k]) from router logits [T, E], as transformers computes
+        them (torch.topk on the same float32 values, so ties break the same way)."""
+        if self.order == TOPK_SOFTMAX:
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return F.softmax(top.float(), dim=-1), ids
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top, ids
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The (token, slot) pairs of ids [T, k] sorted by expert: (the token of each, its index into ids.view(-1),
+    the number of rows each expert gets); a token's slots keep their order within an expert."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order // ids.shape[1], order, counts
+
+
+class Experts(nn.ModuleList):
+    """`num_experts` gated MLPs, each its own gate_up_proj and down_proj (loaded from per-expert tensors, named
+    experts.{j}.gate_proj ... as the checkpoints name them)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
+        super().__init__(GatedMLP(hidden_size, intermediate_size, act, bias=bias) for _ in range(num_experts))
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum over a token's k experts of weight * expert(x), float32 [T, hidden]; experts are taken in id order
+        and each multiplies all of its rows at once."""
+        tokens, slots, counts = group_by_expert(ids, self.num_experts)
+        w = weights.reshape(-1)[slots]
+        out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            rows, part = tokens[start : start + n], w[start : start + n]
+            start += n
+            y = self[e](x.index_select(0, rows))
+            out.index_add_(0, rows, (y * part.unsqueeze(1)).float())
+        return out
+
+
+class SparseMoE(nn.Module):
+    """x -> sum of the routed experts' outputs (plus a shared expert's), in x's dtype, plus a residual when given.
+    `gate` is the router (named as the checkpoints name it); `shared_expert_gate` scales the shared expert by a
+    sigmoid where the family has one (Qwen2-MoE)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        intermediate_size: int,
+        routing: Routing,
+        act: str = "silu",
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        shared_intermediate_size: int | None = None,
+        shared_gate: bool = False,
+    ):
+        super().__init__()
+        if not 0 < routing.top_k <= num_experts:
+            raise ValueError(f"experts per token {routing.top_k} is outside 1..{num_experts} (the experts)")
+        self.routing = routing
+        self.gate = Linear(hidden_size, num_experts, bias=router_bias)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, act, expert_bias)
+        shared = shared_intermediate_size
+        self.shared_expert = GatedMLP(hidden_size, shared, act) if shared else None
+        self.shared_expert_gate = Linear(hidden_size, 1) if shared and shared_gate else None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for rows x [T, hidden] (in x's dtype), plus `residual` when given."""
+        logits = self.gate(x)
+        weights, ids = self.routing.route(logits)
+        out = self.experts(x, ids, weights.to(logits.dtype))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out += shared.float()
+        out = out.to(x.dtype)
+        return out if residual is None else residual + out
+
+
+def split_stacked_experts(tensors: dict, num_experts: int) -> None:
+    """Replace, in place, every projection stored for all experts at once by per-expert entries named as published
+    checkpoints name them (`...mlp.experts.{j}.gate_proj.weight`): transformers' fused 3-D parameters
+    (`experts.gate_up_proj` [E, 2I, H], gate rows first, and `experts.down_proj` [E, H, I]) and the GGUF stacks
+    (`experts.gate_proj.weight` ..., [E, N, K] float or a QuantWeight of E * N rows). Each entry is a view of the
+    stack's rows, not a copy."""
+    from waferscale.models.quant import QuantWeight
+
+    def per_expert(value) -> list:
+        if isinstance(value, QuantWeight):
+            if value.out_features % num_experts:
+                raise ValueError(f"{value.out_features} stacked rows do not split into {num_experts} experts")
+            n = value.out_features // num_experts
+            return [value.take_rows(slice(j * n, (j + 1) * n)) for j in range(num_experts)]
+        if value.dim() != 3 or value.shape[0] != num_experts:
+            raise ValueError(f"stacked experts have shape {tuple(value.shape)}, expected [{num_experts}, N, K]")
+        return list(value.unbind(0))
+
+    for name in [k for k in tensors if ".mlp.experts." in k]:
+        owner, _, tail = name.partition(".mlp.experts.")
+        prefix = f"{owner}.mlp.experts"
+        if tail == "gate_up_proj":
+            for j, w in enumerate(per_expert(tensors.pop(name))):
+                gate, up = w.chunk(2, dim=0)
+                tensors[f"{prefix}.{j}.gate_proj.weight"], tensors[f"{prefix}.{j}.up_proj.weight"] = gate, up
+        elif tail in ("down_proj", "gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            proj = tail.removesuffix(".weight")
+            for j, w in enumerate(per_expert(tensors.pop(name))):
+                tensors[f"{prefix}.{j}.{proj}.weight"] = w

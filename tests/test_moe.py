@@ -1,0 +1,372 @@
+"""Mixture of experts: routing as transformers routes (Qwen3-MoE's softmax-then-top-k, gpt-oss's top-k-then-softmax,
+ties included); the layer against transformers' Qwen3-MoE and Qwen2-MoE (shared expert) blocks; quantized experts
+against a float reference with rows routed unevenly; a tiny random Qwen3-MoE folder made by transformers here, at
+float32: greedy tokens identical and logprobs within 5e-3 on prompts of 6, 60 and 280 tokens, the same tokens alone
+and among 15 others; and qwen3moe GGUFs (stacked expert tensors) that load, from transformers' weights and from
+quantized blocks split per expert without a copy."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from test_families import _ours, _prompt, _theirs
+from test_quant import random_blocks
+
+from waferscale import kernels
+from waferscale.models import builtin_model_path, load_model, quant
+from waferscale.models.gguf_file import read_gguf_file
+from waferscale.models.layers.linear import LoadContext
+from waferscale.models.layers.moe import SOFTMAX_TOPK, TOPK_SOFTMAX, Routing, SparseMoE
+from waferscale.models.quant import QuantLinear, from_gguf
+
+native = kernels.load()
+EXPERTS, ACTIVE = 8, 2
+
+
+def _qwen3_moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    args = dict(
+        vocab_size=49152,  # the built-in model's tokenizer, saved beside the weights
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=EXPERTS,
+        num_experts_per_tok=ACTIVE,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],  # a dense layer between two sparse ones
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    return Qwen3MoeConfig(**{**args, **overrides})
+
+
+def _randomize(model) -> None:
+    """Norms away from 1 and routers sharp enough that tokens choose different experts."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory, hf_tokenizer):
+    """(transformers' tiny random Qwen3-MoE, its folder, ours loaded at float32)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(_qwen3_moe_config(), dtype=torch.float32).eval()
+    _randomize(ref)
+    folder = tmp_path_factory.mktemp("qwen3-moe")
+    ref.save_pretrained(folder, safe_serialization=True)
+    hf_tokenizer.save_pretrained(folder)
+    return ref, folder, load_model(folder, dtype="float32", progress=False)
+
+
+# ---------------------------------------------------------------- routing and the layer
+
+
+def test_softmax_topk_routing_matches_transformers_with_ties():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    cfg = _qwen3_moe_config(hidden_size=16)
+    for norm in (True, False):
+        cfg.norm_topk_prob = norm
+        router = Qwen3MoeTopKRouter(cfg)
+        torch.nn.init.normal_(router.weight)
+        router.weight.data[5] = router.weight.data[2]  # experts 2 and 5 tie for every token
+        x = torch.randn(40, 16)
+        x[:4] = 0  # and every expert ties for these
+        logits, want_w, want_ids = router(x)
+        got_w, got_ids = Routing(ACTIVE, SOFTMAX_TOPK, norm).route(logits)
+        assert torch.equal(got_ids, want_ids)
+        assert torch.equal(got_w, want_w)
+
+
+def test_topk_softmax_routing_matches_gpt_oss():
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    router = GptOssTopKRouter(GptOssConfig(hidden_size=16, num_local_experts=8, num_experts_per_tok=4))
+    torch.nn.init.normal_(router.weight)
+    torch.nn.init.normal_(router.bias)
+    x = torch.randn(40, 16)
+    logits, want_w, want_ids = router(x)
+    got_w, got_ids = Routing(4, TOPK_SOFTMAX).route(logits)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=0, atol=1e-7)
+
+
+def _load_block(ours: SparseMoE, theirs_state: dict[str, torch.Tensor], ctx: LoadContext) -> None:
+    """Our layer from a transformers block's state dict (fused experts as transformers holds them in memory)."""
+    from waferscale.models.layers.moe import split_stacked_experts
+
+    state = {f"model.mlp.{k}": v for k, v in theirs_state.items()}
+    split_stacked_experts(state, len(ours.experts))
+    for path, module in ours.named_modules():
+        name = f"model.mlp.{path}" if path else "model.mlp"
+        if hasattr(module, "load"):
+            if path.endswith("gate_up_proj"):
+                owner = name.rsplit(".", 1)[0]
+                module.load([state.pop(f"{owner}.gate_proj.weight"), state.pop(f"{owner}.up_proj.weight")], None, name)
+            else:
+                module.load([state.pop(f"{name}.weight")], None, name)
+    assert not state
+    for m in ours.modules():
+        if hasattr(m, "process_weights_after_loading"):
+            m.process_weights_after_loading(ctx)
+
+
+def test_layer_matches_transformers_blocks():
+    """Qwen3-MoE's sparse block, and Qwen2-MoE's with its sigmoid-gated shared expert, at float32."""
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    torch.manual_seed(1)
+    ctx = LoadContext(torch.float32, native, kernels.cpu_has_native_bf16())
+    qwen3 = Qwen3MoeSparseMoeBlock(_qwen3_moe_config())
+    qwen2 = Qwen2MoeSparseMoeBlock(
+        Qwen2MoeConfig(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=False)
+    )
+    cases = [
+        (qwen3, SparseMoE(64, 8, 32, Routing(ACTIVE, SOFTMAX_TOPK, True))),
+        (qwen2, SparseMoE(64, 8, 32, Routing(ACTIVE, SOFTMAX_TOPK, False), shared_intermediate_size=48,
+                          shared_gate=True)),
+    ]
+    for theirs, ours in cases:
+        for p in theirs.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        _load_block(ours, theirs.state_dict(), ctx)
+        x = torch.randn(1, 37, 64)
+        with torch.no_grad():
+            want = theirs(x)
+        want = want[0] if isinstance(want, tuple) else want
+        got = ours(x[0], residual=torch.ones(37, 64))
+        torch.testing.assert_close(got - 1, want[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(native is None, reason="native kernels could not be built here")
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_quantized_experts_match_a_float_reference_with_uneven_routing(kind, monkeypatch):
+    """Experts from GGUF blocks against the same weights dequantized, tokens routed so that expert 0 takes every
+    row and expert 3 none; bf16 and float32 activations (kept float32 in the kernel: rounding them to int8 for
+    small batches is the kernels' accuracy policy, tested in test_quant.py)."""
+    monkeypatch.setattr(quant, "ACT_MODE", quant.ACTIVATION_MODES["float32"])
+    torch.manual_seed(4)
+    hidden, inter, experts, k = 256, 256, 4, 2
+    router = torch.randn(experts, hidden) * 0.01
+    router[:, 0] = torch.tensor([10.0, 0.0, 0.5, -10.0])  # x[:, 0] is large: 0 always first, 3 never chosen
+    blocks = {}
+    for e in range(experts):
+        for proj, shape in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+            blocks[e, proj] = from_gguf(random_blocks(kind, *shape, seed=len(blocks)), kind, *shape)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = SparseMoE(hidden, experts, inter, Routing(k, SOFTMAX_TOPK, True))
+        layer.gate.load([router.to(dtype)], None, "gate")
+        for e, expert in enumerate(layer.experts):
+            for proj in ("gate_up_proj", "down_proj"):
+                getattr(expert, proj).load([blocks[e, proj]], None, f"experts.{e}.{proj}")
+        ctx = LoadContext(dtype, native, kernels.cpu_has_native_bf16())
+        for m in layer.modules():
+            if hasattr(m, "process_weights_after_loading"):
+                m.process_weights_after_loading(ctx)
+        assert all(isinstance(p.quant, QuantLinear) for e in layer.experts for p in (e.gate_up_proj, e.down_proj))
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, hidden)
+            x[:, 0] = 4.0
+            x = x.to(dtype)
+            w, ids = layer.routing.route(layer.gate(x))
+            assert (ids == 0).any(-1).all() and not (ids == 3).any()
+            want = torch.zeros(rows, hidden)
+            for t in range(rows):
+                for slot in range(k):
+                    gate_up, down = (blocks[int(ids[t, slot]), p].dequantize() for p in ("gate_up_proj", "down_proj"))
+                    g, u = (x[t].float() @ gate_up.T).split(inter)
+                    want[t] += w[t, slot] * ((torch.nn.functional.silu(g) * u) @ down.T)
+            got = layer(x).float()
+            assert ((got - want).norm() / want.norm()) < (1e-5 if dtype == torch.float32 else 0.01), (rows, dtype)
+
+
+# ---------------------------------------------------------------- the family from a folder
+
+
+@pytest.mark.parametrize("length", [6, 60, 280])
+def test_greedy_tokens_and_logprobs_match_transformers(qwen3_moe, length):
+    ref, _, ours = qwen3_moe
+    ids = _prompt(length)
+    (tokens, logprobs), = _ours(ours, [ids])
+    want_tokens, want_logprobs = _theirs(ref, ids)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 5e-3
+
+
+def test_experts_are_used_unevenly_and_loaded_per_expert(qwen3_moe):
+    """The fixture exercises routing: tokens of one prompt reach several experts, and each expert holds its own
+    checkpoint weights (per-expert tensors as transformers saved them)."""
+    from safetensors import safe_open
+
+    _, folder, ours = qwen3_moe
+    layer = ours.model.layers[0].mlp
+    x = ours.model.embed_tokens(torch.tensor(_prompt(60)))
+    _, ids = layer.routing.route(layer.gate(ours.model.layers[0].post_attention_layernorm(x)))
+    assert len(ids.unique()) >= 4
+    assert not isinstance(ours.model.layers[1].mlp, SparseMoE)  # mlp_only_layers
+    with safe_open(str(next(folder.glob("*.safetensors"))), "pt") as f:
+        down = f.get_tensor("model.layers.2.mlp.experts.5.down_proj.weight")
+    assert torch.equal(ours.model.layers[2].mlp.experts[5].down_proj.weight, down)
+
+
+def test_a_sequence_decodes_the_same_alone_and_among_15_others(qwen3_moe):
+    _, _, ours = qwen3_moe
+    target = _prompt(60)
+    others = [_prompt(20 + 7 * i) for i in range(15)]
+    alone = _ours(ours, [target])[0]
+    together = _ours(ours, [target, *others])[0]
+    assert together[0] == alone[0]
+    assert max(abs(a - b) for a, b in zip(together[1], alone[1])) < 1e-5
+
+
+# ---------------------------------------------------------------- GGUF qwen3moe
+
+
+def _write_qwen3moe_gguf(path, state: dict[str, torch.Tensor], cfg, experts_kind: str | None = None) -> None:
+    """A qwen3moe GGUF of a transformers state dict: experts stacked [E, N, K] per projection (F32, or random
+    blocks of `experts_kind`), the rest F32, the built-in model's tokenizer."""
+    src = read_gguf_file(builtin_model_path())
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    for key, value in src.metadata.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, value, *src.value_types[key])
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
+
+    def f32(t: torch.Tensor) -> np.ndarray:
+        return t.detach().float().numpy().copy()
+
+    writer.add_tensor("token_embd.weight", f32(state["model.embed_tokens.weight"]))
+    seed = 100
+    for i in range(cfg.num_hidden_layers):
+        for hf, ours in names.items():
+            writer.add_tensor(f"blk.{i}.{ours}.weight", f32(state[f"model.layers.{i}.{hf}.weight"]))
+        for proj, kind in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            stacked = np.stack([f32(state[f"model.layers.{i}.mlp.experts.{j}.{proj}.weight"])
+                                for j in range(cfg.num_experts)])
+            if experts_kind is None:
+                writer.add_tensor(f"blk.{i}.{kind}.weight", stacked)
+            else:
+                seed += 1
+                e, n, k = stacked.shape
+                blocks = random_blocks(experts_kind, e * n, k, seed).reshape(e, n, -1)
+                writer.add_tensor(f"blk.{i}.{kind}.weight", blocks,
+                                  raw_dtype=getattr(gguf.GGMLQuantizationType, experts_kind))
+    writer.add_tensor("output_norm.weight", f32(state["model.norm.weight"]))
+    writer.add_tensor("output.weight", f32(state["lm_head.weight"]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _per_expert_state(ref) -> dict[str, torch.Tensor]:
+    """transformers' state dict with its fused experts as per-expert tensors (as save_pretrained writes them)."""
+    from waferscale.models.layers.moe import split_stacked_experts
+
+    state = dict(ref.state_dict())
+    split_stacked_experts(state, ref.config.num_experts)
+    return state
+
+
+def test_gguf_of_transformers_weights_matches_transformers(qwen3_moe, tmp_path, monkeypatch):
+    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(2)
+    cfg = _qwen3_moe_config(mlp_only_layers=[])  # llama.cpp's qwen3moe: every layer sparse
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    _randomize(ref)
+    path = tmp_path / "tiny-moe.gguf"
+    _write_qwen3moe_gguf(path, _per_expert_state(ref), cfg)
+    ours = load_model(path, dtype="float32", progress=False)
+    assert ours.config.architecture == "qwen3moe" and ours.config.num_experts == EXPERTS
+    ids = _prompt(60)
+    (tokens, logprobs), = _ours(ours, [ids])
+    want_tokens, want_logprobs = _theirs(ref, ids)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 5e-3
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+def test_quantized_gguf_experts_load_from_their_blocks(tmp_path, monkeypatch, kind):
+    """Stacked quantized experts are served from their blocks, each expert's down_proj a view of the stack's
+    rows; the logits track the same file dequantized to bf16."""
+    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    from test_models import our_logits
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    cfg = _qwen3_moe_config(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=2, mlp_only_layers=[])
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    _randomize(ref)
+    path = tmp_path / f"tiny-moe.{kind}.gguf"
+    _write_qwen3moe_gguf(path, _per_expert_state(ref), cfg, experts_kind=kind)
+    served = load_model(path, dtype="bfloat16", quantization="auto", progress=False)
+    assert served.quantization == "gguf"
+    experts = served.model.layers[0].mlp.experts
+    assert all(p.quant is not None and p.weight is None for e in experts for p in (e.gate_up_proj, e.down_proj))
+    downs = [e.down_proj.quant.parts[0].qweight for e in experts]
+    assert len({d.untyped_storage().data_ptr() for d in downs}) == 1  # views of one stacked tensor
+    ids = served.tokenizer.encode("Hello there, how are you")
+    (tokens, _), = _ours(served, [ids])
+    assert len(tokens) == 8
+    monkeypatch.setattr(quant, "ACT_MODE", quant.ACTIVATION_MODES["float32"])  # activations not rounded
+    dense = load_model(path, dtype="bfloat16", quantization="none", progress=False)  # the same values, bf16
+    got, want = our_logits(served, ids), our_logits(dense, ids)
+    assert ((got - want).norm() / want.norm()) < 0.02
+
+
+def test_a_model_that_does_not_fit_is_refused_before_loading(qwen3_moe, tmp_path, monkeypatch):
+    """A folder, and a GGUF before its conversion, are refused with the memory their weights need."""
+    from transformers import AutoModelForCausalLM
+
+    from waferscale.models import ModelLoadError, loader
+
+    _, folder, _ = qwen3_moe
+    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    need = sum(s.stat().st_size for s in folder.glob("*.safetensors"))
+    monkeypatch.setattr(loader, "_available_memory", lambda: need - 1)
+    with pytest.raises(ModelLoadError, match=r"needs 0\.\d GiB of memory for its weights"):
+        load_model(folder, dtype="float32", progress=False)
+    monkeypatch.setattr(loader, "_available_memory", lambda: need + (1 << 20))
+    assert load_model(folder, dtype="float32", progress=False).config.num_experts == EXPERTS
+    path = tmp_path / "tiny-moe.gguf"
+    cfg = _qwen3_moe_config(mlp_only_layers=[])
+    _write_qwen3moe_gguf(path, _per_expert_state(AutoModelForCausalLM.from_config(cfg)), cfg)
+    monkeypatch.setattr(loader, "_available_memory", lambda: 1 << 20)
+    with pytest.raises(ModelLoadError, match="GiB of memory for its weights"):
+        load_model(path, dtype="float32", progress=False)
+    assert not (tmp_path / "cache" / "converted").exists() or not any((tmp_path / "cache" / "converted").iterdir())
