@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     tasks = json.loads((Path(__file__).with_name("data") / "spec_tasks.json").read_text())
     loaded = load_model(args.model, dtype=args.dtype, progress=False)
-    template = ChatTemplate(loaded.tokenizer.info.chat_template)
+    template = ChatTemplate.for_tokenizer(loaded.tokenizer)
     engines = {m: LLMEngine(loaded, speculative=SpeculativeConfig(m)) for m in ("none", "ngram")}
 
     def encode(text: str) -> list[int]:

@@ -66,6 +66,16 @@ class LLMEngine:
         self.native = kernels.load() if kv_dtype in (torch.float32, torch.bfloat16) else None
         self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache)
+        log.info(
+            "KV cache: %d tokens in %d MiB, %.1f KB a token (%s, %d layers of %d KV heads of %d)",
+            (num_blocks - 1) * block_size,
+            num_blocks * per_block >> 20,
+            per_block / block_size / 1024,
+            str(kv_dtype).removeprefix("torch."),
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=max_num_seqs,
