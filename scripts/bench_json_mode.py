@@ -6,10 +6,10 @@ Usage: .venv/bin/python scripts/bench_json_mode.py [--concurrency 16] [--tokens 
 
 One server (waferscale serve, the built-in model) runs the whole table: first the quiet rows, then the same rows
 while `--busy` processes spin (`while True: pass`), so the busy rows come after constrained requests. Each row is the
-median over --runs of completion tokens / completion_time (decode, prompt excluded; at concurrency c the sum over
-the c requests divided by the batch's wall time). With --llamacpp, llama-server (built by bench_vs_llamacpp.py, BF16
-GGUF of the same model) runs the plain rows under the same load. Greedy decoding; a machine shared with other work
-skews every figure, so compare rows of one run, never runs of different days.
+median over --runs of completion tokens / decode time (time_info.completion_time: prompt excluded; at concurrency c,
+the c requests' tokens over the longest decode time among them). With --llamacpp, llama-server (built by
+bench_vs_llamacpp.py, BF16 GGUF of the same model) runs the plain rows under the same load. Greedy decoding; a
+machine shared with other work skews every figure, so compare rows of one run, never runs of different days.
 """
 
 from __future__ import annotations
@@ -82,14 +82,16 @@ async def batch_rate(url: str, body: dict, concurrency: int) -> tuple[float, int
         wall = time.perf_counter() - t0
     for a in answers:
         a.raise_for_status()
-    usages = [a.json()["usage"] for a in answers]
-    tokens = sum(u["completion_tokens"] for u in usages)
-    if concurrency == 1:
-        timing = answers[0].json().get("timings") or {}  # llama-server
-        info = answers[0].json().get("time_info") or {}
-        decode = info.get("completion_time") or (timing.get("predicted_ms", 0) / 1000) or wall
-        return tokens / decode, tokens
-    return tokens / wall, tokens // concurrency
+    bodies = [a.json() for a in answers]
+    tokens = sum(b["usage"]["completion_tokens"] for b in bodies)
+    # each request's decode time (waferscale: time_info.completion_time; llama-server: timings.predicted_ms); the
+    # longest of the batch bounds its decode phase, so long prompts (tools in the prompt) do not count against it
+    decode = max(
+        (b.get("time_info") or {}).get("completion_time")
+        or (b.get("timings") or {}).get("predicted_ms", 0) / 1000
+        for b in bodies
+    )
+    return tokens / (decode or wall), tokens // concurrency
 
 
 def measure(url: str, mode: str, concurrency: int, args) -> tuple[float, int]:
