@@ -22,8 +22,6 @@ OPERATIONS = [
     ("GET", "/v1/tcp_warming"),
     ("GET", "/health"),
     ("GET", "/metrics"),
-    ("POST", "/v1/tokenize"),
-    ("POST", "/v1/detokenize"),
 ]
 MAX_TOKENS = 2  # generation is bounded so a few hundred cases take seconds, not hours
 

@@ -97,6 +97,6 @@ def add_tokenize_routes(app: FastAPI, ctx: ServingContext, auth, read_body) -> N
             body = {"required": True, "content": {"application/json": {"schema": schema.model_json_schema()}}}
             app.add_api_route(
                 f"{prefix}/{path}", route, methods=["POST"], tags=["Tokens"], dependencies=[Depends(auth)],
-                include_in_schema=bool(prefix), openapi_extra={"requestBody": body},
+                include_in_schema=False, openapi_extra={"requestBody": body},
                 summary=f"{path.capitalize()} (waferscale's extension)",
             )
