@@ -20,6 +20,8 @@ from waferscale.engine.params import BATCH_PRIORITY
 from waferscale.engine.prediction import MAX_DRAFT, propose
 from waferscale.engine.sequence import Sequence
 
+BATCH_BESIDE_INTERACTIVE = 4  # batch sequences that may start while interactive ones run (see _batch_room)
+
 
 @dataclass
 class ScheduledBatch:
@@ -144,8 +146,13 @@ class Scheduler:
         self._expire_waiting(out.ended)
         in_flight = self._prefix_keys_in_flight()
         deferred: list[Sequence] = []
+        batch_room = self._batch_room()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.params.priority >= BATCH_PRIORITY:
+                if batch_room <= 0:
+                    break  # the queue is ordered: only batch work is left, and it waits
+                batch_room -= 1
             if self._shares_prefix_in_flight(seq, in_flight):
                 deferred.append(self.waiting.popleft())  # admitted once those blocks are cached
                 continue
@@ -168,6 +175,17 @@ class Scheduler:
             out.prefills.append((seq, chunk))
             budget -= chunk
         return out
+
+    def _batch_room(self) -> int:
+        """How many more batch sequences may start now: any while no interactive sequence runs or waits; beside
+        interactive ones, only up to BATCH_BESIDE_INTERACTIVE running (each batch row added to a step slows every
+        interactive stream's next token; the batch keeps going, narrower, and widens again when they are gone)."""
+        interactive = any(s.params.priority < BATCH_PRIORITY for s in self.running) or (
+            bool(self.waiting) and self.waiting[0].params.priority < BATCH_PRIORITY
+        )
+        if not interactive:
+            return self.max_num_seqs
+        return BATCH_BESIDE_INTERACTIVE - sum(1 for s in self.running if s.params.priority >= BATCH_PRIORITY)
 
     def _victim(self) -> Sequence | None:
         """The running sequence to preempt first: the lowest priority, the newest among equals."""
