@@ -20,7 +20,7 @@ from waferscale.engine.params import BATCH_PRIORITY
 from waferscale.engine.prediction import MAX_DRAFT, propose
 from waferscale.engine.sequence import Sequence
 
-BATCH_BESIDE_INTERACTIVE = 4  # batch sequences that may start while interactive ones run (see _batch_room)
+BATCH_BESIDE_INTERACTIVE = 4  # batch sequences that may run beside interactive ones (see _batch_room)
 
 
 @dataclass
@@ -177,9 +177,9 @@ class Scheduler:
         return out
 
     def _batch_room(self) -> int:
-        """How many more batch sequences may start now: any while no interactive sequence runs or waits; beside
-        interactive ones, only up to BATCH_BESIDE_INTERACTIVE running (each batch row added to a step slows every
-        interactive stream's next token; the batch keeps going, narrower, and widens again when they are gone)."""
+        """How many more batch sequences may run now (negative: that many too many): any number while no interactive
+        sequence runs or waits; beside interactive ones, BATCH_BESIDE_INTERACTIVE (the batch keeps going, narrower,
+        and widens again when they are gone)."""
         interactive = any(s.params.priority < BATCH_PRIORITY for s in self.running) or (
             bool(self.waiting) and self.waiting[0].params.priority < BATCH_PRIORITY
         )
@@ -207,8 +207,21 @@ class Scheduler:
             if victim is None or victim.params.priority <= head.params.priority:
                 return
             if len(self.running) < self.max_num_seqs and self._fits(head):
-                return
+                break
             self._preempt(victim)
+        self._narrow_batch()
+
+    def _narrow_batch(self) -> None:
+        """Beside interactive work, preempt the newest running batch sequences beyond BATCH_BESIDE_INTERACTIVE: every
+        batch row in a step slows each interactive stream's next token. Their full blocks stay in the prefix cache,
+        so resuming them later recomputes little."""
+        excess = -self._batch_room()
+        for seq in reversed(list(self.running)):
+            if excess <= 0:
+                return
+            if seq.params.priority >= BATCH_PRIORITY and not seq.finished:
+                self._preempt(seq)
+                excess -= 1
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether the pool could give seq its blocks now."""
