@@ -148,6 +148,13 @@ def probe(client, n: int) -> tuple[float, float]:
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 stamps.append(time.perf_counter())
+            info = (chunk.model_extra or {}).get("time_info")
+            if info and os.environ.get("BENCH_VERBOSE"):
+                print(
+                    f"  probe {i}: queue_time {info['queue_time'] * 1000:.0f} ms, first content at "
+                    f"{(stamps[0] - t) * 1000:.0f} ms",
+                    flush=True,
+                )
         ttft.append(stamps[0] - t)
         itl += [b - a for a, b in zip(stamps, stamps[1:])]
     return statistics.median(ttft) * 1000, statistics.median(itl) * 1000
