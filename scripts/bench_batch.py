@@ -151,8 +151,10 @@ def probe(client, n: int) -> tuple[float, float]:
             info = (chunk.model_extra or {}).get("time_info")
             if info and os.environ.get("BENCH_VERBOSE"):
                 print(
-                    f"  probe {i}: queue_time {info['queue_time'] * 1000:.0f} ms, first content at "
-                    f"{(stamps[0] - t) * 1000:.0f} ms",
+                    f"  probe {i}: queue_time {info['queue_time'] * 1000:.0f} ms, prompt_time "
+                    f"{info['prompt_time'] * 1000:.0f} ms, total_time {info['total_time'] * 1000:.0f} ms (the run, from "
+                    f"after planning); client: first content {(stamps[0] - t) * 1000:.0f} ms, end "
+                    f"{(time.perf_counter() - t) * 1000:.0f} ms",
                     flush=True,
                 )
         ttft.append(stamps[0] - t)
