@@ -90,3 +90,43 @@ def test_batch_work_never_times_out_in_the_queue():
     s.add(waiting)
     step(s)
     assert not waiting.finished and waiting in s.waiting
+
+
+def test_beside_interactive_work_only_a_few_batch_sequences_run():
+    from waferscale.engine.scheduler import BATCH_BESIDE_INTERACTIVE
+
+    s = sched(num_blocks=64, max_num_seqs=16)
+    s.add(make_seq("live", [9, 9, 9], max_tokens=20))
+    for i in range(10):
+        s.add(make_seq(f"b{i}", [1, 2, i], max_tokens=20, priority=BATCH_PRIORITY))
+    step(s)
+    step(s)
+    batch = [q for q in s.running if q.params.priority == BATCH_PRIORITY]
+    assert len(batch) == BATCH_BESIDE_INTERACTIVE and len(s.waiting) == 10 - BATCH_BESIDE_INTERACTIVE
+
+
+def test_without_interactive_work_batch_sequences_fill_the_slots():
+    s = sched(num_blocks=64, max_num_seqs=16)
+    for i in range(10):
+        s.add(make_seq(f"b{i}", [1, 2, i], max_tokens=20, priority=BATCH_PRIORITY))
+    step(s)
+    assert len(s.running) == 10 and not s.waiting
+
+
+def test_running_batch_work_narrows_when_an_interactive_request_arrives():
+    from waferscale.engine.scheduler import BATCH_BESIDE_INTERACTIVE
+
+    s = sched(num_blocks=64, max_num_seqs=16)
+    for i in range(10):
+        s.add(make_seq(f"b{i}", [1, 2, i], max_tokens=20, priority=BATCH_PRIORITY))
+    step(s)
+    live = make_seq("live", [9, 9, 9], max_tokens=20)
+    s.add(live)
+    step(s)
+    batch = [q for q in s.running if q.params.priority == BATCH_PRIORITY]
+    assert live in s.running and len(batch) == BATCH_BESIDE_INTERACTIVE
+    assert [q.request_id for q in batch] == ["b0", "b1", "b2", "b3"]  # the oldest keep running
+    while not live.finished:
+        step(s)
+    step(s)
+    assert not s.waiting and len(s.running) == 6  # widened again: b4-b9 all run (b0-b3 have finished)

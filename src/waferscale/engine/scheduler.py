@@ -21,6 +21,8 @@ from waferscale.engine.prediction import MAX_DRAFT, propose
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import NgramState, SpeculativeConfig
 
+BATCH_BESIDE_INTERACTIVE = 4  # batch sequences that may run beside interactive ones (see _batch_room)
+
 
 @dataclass
 class ScheduledBatch:
@@ -152,8 +154,13 @@ class Scheduler:
         self._expire_waiting(out.ended)
         in_flight = self._prefix_keys_in_flight()
         deferred: list[Sequence] = []
+        batch_room = self._batch_room()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.params.priority >= BATCH_PRIORITY:
+                if batch_room <= 0:
+                    break  # the queue is ordered: only batch work is left, and it waits
+                batch_room -= 1
             if self._shares_prefix_in_flight(seq, in_flight):
                 deferred.append(self.waiting.popleft())  # admitted once those blocks are cached
                 continue
@@ -177,6 +184,17 @@ class Scheduler:
             budget -= chunk
         return out
 
+    def _batch_room(self) -> int:
+        """How many more batch sequences may run now (negative: that many too many): any number while no interactive
+        sequence runs or waits; beside interactive ones, BATCH_BESIDE_INTERACTIVE (the batch keeps going, narrower,
+        and widens again when they are gone)."""
+        interactive = any(s.params.priority < BATCH_PRIORITY for s in self.running) or (
+            bool(self.waiting) and self.waiting[0].params.priority < BATCH_PRIORITY
+        )
+        if not interactive:
+            return self.max_num_seqs
+        return BATCH_BESIDE_INTERACTIVE - sum(1 for s in self.running if s.params.priority >= BATCH_PRIORITY)
+
     def _victim(self) -> Sequence | None:
         """The running sequence to preempt first: the lowest priority, the newest among equals."""
         best, best_key = None, None
@@ -197,8 +215,21 @@ class Scheduler:
             if victim is None or victim.params.priority <= head.params.priority:
                 return
             if len(self.running) < self.max_num_seqs and self._fits(head):
-                return
+                break
             self._preempt(victim)
+        self._narrow_batch()
+
+    def _narrow_batch(self) -> None:
+        """Beside interactive work, preempt the newest running batch sequences beyond BATCH_BESIDE_INTERACTIVE: every
+        batch row in a step slows each interactive stream's next token. Their full blocks stay in the prefix cache,
+        so resuming them later recomputes little."""
+        excess = -self._batch_room()
+        for seq in reversed(list(self.running)):
+            if excess <= 0:
+                return
+            if seq.params.priority >= BATCH_PRIORITY and not seq.finished:
+                self._preempt(seq)
+                excess -= 1
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether the pool could give seq its blocks now."""
