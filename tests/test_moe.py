@@ -18,7 +18,7 @@ from waferscale import kernels
 from waferscale.models import builtin_model_path, load_model, quant
 from waferscale.models.gguf_file import read_gguf_file
 from waferscale.models.layers.linear import LoadContext
-from waferscale.models.layers.moe import SOFTMAX_TOPK, TOPK_SOFTMAX, Routing, SparseMoE
+from waferscale.models.layers.moe import SOFTMAX_TOPK, TOPK_SOFTMAX, NativeExperts, Routing, SparseMoE
 from waferscale.models.quant import QuantLinear, from_gguf
 
 native = kernels.load()
@@ -197,6 +197,47 @@ def test_quantized_experts_match_a_float_reference_with_uneven_routing(kind, mon
             assert ((got - want).norm() / want.norm()) < (1e-5 if dtype == torch.float32 else 0.01), (rows, dtype)
 
 
+@pytest.mark.skipif(native is None, reason="native kernels could not be built here")
+@pytest.mark.parametrize("kind", ["bf16", "Q8_0", "Q4_K", "Q6_K"])
+def test_one_native_call_matches_the_python_loop(kind):
+    """Every expert of a bf16 step in one native call, against the experts' modules called one by one: the same
+    bits for bf16 experts (and the same to a rare SiLU rounding tie for quantized ones), with an expert that takes
+    every row and one that takes none."""
+    from waferscale.models.layers.moe import GroupedExperts
+
+    torch.manual_seed(5)
+    hidden, inter, experts = 256, 256, 8
+    layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, SOFTMAX_TOPK, True))
+    router = torch.randn(experts, hidden) * 0.3
+    router[:, 0] = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, -10.0])  # expert 0 in every row's top 2, the last in none
+    layer.gate.load([router.bfloat16()], None, "gate")
+    for e, expert in enumerate(layer.experts):
+        for proj, shape in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+            if kind == "bf16":
+                w = (torch.randn(*shape) * 0.05).bfloat16()
+            else:
+                w = from_gguf(random_blocks(kind, *shape, seed=10 * e + len(proj)), kind, *shape)
+            getattr(expert, proj).load([w], None, f"experts.{e}.{proj}")
+    ctx = LoadContext(torch.bfloat16, native, kernels.cpu_has_native_bf16())
+    for m in layer.modules():
+        if hasattr(m, "process_weights_after_loading"):
+            m.process_weights_after_loading(ctx)
+    method = layer.experts.method
+    assert isinstance(method, NativeExperts) and isinstance(method.fallback, GroupedExperts)
+    for rows in (1, 3, 8, 16):
+        x = torch.randn(rows, hidden).bfloat16()
+        x[:, 0] = 4.0
+        weights, ids = layer.routing.route(layer.gate(x))
+        assert (ids == 0).any(-1).all() and not (ids == experts - 1).any()
+        assert rows < 8 or len(ids.unique()) >= 4
+        weights = weights.bfloat16()
+        got, want = method.apply(x, ids, weights), method.fallback.apply(x, ids, weights)
+        if kind == "bf16":
+            assert torch.equal(got, want), rows
+        else:  # torch's bf16 SiLU after a quantized gate/up, and the kernel's, may round a tie apart (1 bf16 ulp)
+            assert ((got - want).norm() / want.norm()) < 1e-3, rows
+
+
 # ---------------------------------------------------------------- the family from a folder
 
 
@@ -334,16 +375,18 @@ def test_quantized_gguf_experts_load_from_their_blocks(tmp_path, monkeypatch, ki
     _randomize(ref)
     path = tmp_path / f"tiny-moe.{kind}.gguf"
     _write_qwen3moe_gguf(path, _per_expert_state(ref), cfg, experts_kind=kind)
+    monkeypatch.setattr(quant, "ACT_MODE", quant.ACTIVATION_MODES["float32"])  # activations not rounded
     served = load_model(path, dtype="bfloat16", quantization="auto", progress=False)
     assert served.quantization == "gguf"
     experts = served.model.layers[0].mlp.experts
     assert all(p.quant is not None and p.weight is None for e in experts for p in (e.gate_up_proj, e.down_proj))
+    if native is not None:  # a decode step's experts in one native call
+        assert isinstance(experts.method, NativeExperts)
     downs = [e.down_proj.quant.parts[0].qweight for e in experts]
     assert len({d.untyped_storage().data_ptr() for d in downs}) == 1  # views of one stacked tensor
     ids = served.tokenizer.encode("Hello there, how are you")
     (tokens, _), = _ours(served, [ids])
     assert len(tokens) == 8
-    monkeypatch.setattr(quant, "ACT_MODE", quant.ACTIVATION_MODES["float32"])  # activations not rounded
     dense = load_model(path, dtype="bfloat16", quantization="none", progress=False)  # the same values, bf16
     got, want = our_logits(served, ids), our_logits(dense, ids)
     assert ((got - want).norm() / want.norm()) < 0.02

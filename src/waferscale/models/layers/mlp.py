@@ -34,8 +34,10 @@ class GatedMLP(nn.Module):
 
     def process_weights_after_loading(self, ctx: LoadContext) -> None:
         """Pack bf16 gate/up in pairs where the native SiLU-and-multiply kernel applies; before the projections
-        choose their own methods (modules are visited parents first)."""
+        choose their own methods (modules are visited parents first; a second call does nothing)."""
         proj = self.gate_up_proj
+        if self.gate_up_pairs is not None or proj.method is not None:
+            return
         if (
             self.act != "silu"
             or proj.bias is not None
