@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from test_families import _ours, _prompt, _theirs
+from test_families import NEW_TOKENS, _ours, _prompt, _theirs
 from test_quant import random_blocks
 
 from waferscale import kernels
@@ -265,6 +265,20 @@ def test_experts_are_used_unevenly_and_loaded_per_expert(qwen3_moe):
     with safe_open(str(next(folder.glob("*.safetensors"))), "pt") as f:
         down = f.get_tensor("model.layers.2.mlp.experts.5.down_proj.weight")
     assert torch.equal(ours.model.layers[2].mlp.experts[5].down_proj.weight, down)
+
+
+def test_expert_load_counts_every_routed_row(qwen3_moe):
+    """Each sparse layer counts the rows routed to each expert: k a token, prompt and generated tokens alike."""
+    _, _, ours = qwen3_moe
+    before = ours.model.expert_load()
+    assert sorted(before) == [0, 2]  # layer 1 is dense
+    ids = _prompt(30)
+    _ours(ours, [ids])  # 30 prompt rows, then NEW_TOKENS - 1 decode rows (the last token is not run)
+    after = ours.model.expert_load()
+    for layer in (0, 2):
+        added = [b - a for a, b in zip(before[layer], after[layer])]
+        assert sum(added) == ACTIVE * (len(ids) + NEW_TOKENS - 1)
+        assert max(added) < sum(added) // ACTIVE + 1  # no expert is counted twice for one row
 
 
 def test_a_sequence_decodes_the_same_alone_and_among_15_others(qwen3_moe):

@@ -139,7 +139,8 @@ class Experts(nn.ModuleList):
 class SparseMoE(nn.Module):
     """x -> sum of the routed experts' outputs (plus a shared expert's), in x's dtype, plus a residual when given.
     `gate` is the router (named as the checkpoints name it); `shared_expert_gate` scales the shared expert by a
-    sigmoid where the family has one (Qwen2-MoE)."""
+    sigmoid where the family has one (Qwen2-MoE); `expert_load` counts the rows routed to each expert (routing
+    skew, for an operator)."""
 
     def __init__(
         self,
@@ -162,11 +163,13 @@ class SparseMoE(nn.Module):
         shared = shared_intermediate_size
         self.shared_expert = GatedMLP(hidden_size, shared, act) if shared else None
         self.shared_expert_gate = Linear(hidden_size, 1) if shared and shared_gate else None
+        self.expert_load = torch.zeros(num_experts, dtype=torch.int64)  # rows routed to each expert since loading
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for rows x [T, hidden] (in x's dtype), plus `residual` when given."""
         logits = self.gate(x)
         weights, ids = self.routing.route(logits)
+        self.expert_load += torch.bincount(ids.reshape(-1), minlength=len(self.expert_load))
         out = self.experts(x, ids, weights.to(logits.dtype))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
