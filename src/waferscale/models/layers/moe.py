@@ -8,6 +8,7 @@ shared expert beside the routed ones (with its own sigmoid gate where the family
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +111,11 @@ class Experts(nn.ModuleList):
 
     def process_weights_after_loading(self, ctx: LoadContext) -> None:
         """Let each expert choose its projections' methods, then take all experts in one native call where every
-        expert's projections are native bf16 or quantized, without biases."""
+        expert's projections are native bf16 or quantized, without biases. bf16 experts are packed for the native
+        kernels at any row count, without the PyTorch copy kept beside the packed one for large batches where bf16
+        is multiplied in hardware: experts are most of the model's bytes and take a few rows each."""
+        if ctx.packs_bf16() and ctx.native_rows is not None:
+            ctx = dataclasses.replace(ctx, hardware_bf16=False)
         for m in self.modules():
             if m is not self and hasattr(m, "process_weights_after_loading"):
                 m.process_weights_after_loading(ctx)
