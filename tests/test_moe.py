@@ -155,6 +155,38 @@ def test_layer_matches_transformers_blocks():
         torch.testing.assert_close(got - 1, want[0], rtol=1e-5, atol=1e-5)
 
 
+def test_layer_with_gpt_oss_parameters_matches_transformers():
+    """The same layer with gpt-oss's parameters (router bias, top-k then softmax, expert biases, clamped SwiGLU)
+    against transformers' GptOssMLP at float32; its fused, transposed, interleaved gate/up converted here."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    torch.manual_seed(6)
+    hidden, inter, experts, k = 64, 32, 8, 4
+    theirs = GptOssMLP(GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
+                                    num_experts_per_tok=k))
+    for p in theirs.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    ours = SparseMoE(hidden, experts, inter, Routing(k, TOPK_SOFTMAX), act="swiglu_clamped", router_bias=True,
+                     expert_bias=True)
+    ours.gate.load([theirs.router.weight.detach()], theirs.router.bias.detach(), "router")
+    ex = theirs.experts
+    for e, expert in enumerate(ours.experts):
+        w, b = ex.gate_up_proj[e].detach().T, ex.gate_up_proj_bias[e].detach()  # [2I, H], gate and up interleaved
+        expert.gate_up_proj.load([w[0::2], w[1::2]], torch.cat([b[0::2], b[1::2]]), f"experts.{e}.gate_up_proj")
+        expert.down_proj.load([ex.down_proj[e].detach().T.contiguous()], ex.down_proj_bias[e].detach(), "down")
+    ctx = LoadContext(torch.float32, native, kernels.cpu_has_native_bf16())
+    for m in ours.modules():
+        if hasattr(m, "process_weights_after_loading"):
+            m.process_weights_after_loading(ctx)
+    x = torch.randn(1, 29, hidden)
+    with torch.no_grad():
+        want = theirs(x)[0][0]
+    gate_up = ours.experts[0].gate_up_proj(x[0]).split(inter, dim=-1)
+    assert (gate_up[0] > 7).any() and (gate_up[1].abs() > 7).any()  # the clamps matter
+    torch.testing.assert_close(ours(x[0]), want, rtol=1e-4, atol=1e-4)  # float32 sums in another order
+
+
 @pytest.mark.skipif(native is None, reason="native kernels could not be built here")
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_quantized_experts_match_a_float_reference_with_uneven_routing(kind, monkeypatch):
