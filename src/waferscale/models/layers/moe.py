@@ -49,13 +49,12 @@ class Routing:
         return top, ids
 
 
-def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (token, slot) pairs of ids [T, k] sorted by expert: (the token of each, its index into ids.view(-1),
-    the number of rows each expert gets); a token's slots keep their order within an expert."""
+    the number of rows each expert gets, int64 [num_experts]); a token's slots keep their order within an expert."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return order // ids.shape[1], order, counts
+    return order // ids.shape[1], order, torch.bincount(flat, minlength=num_experts)
 
 
 class GroupedExperts:
@@ -69,7 +68,7 @@ class GroupedExperts:
         w = weights.reshape(-1)[slots]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts.tolist()):
             if not n:
                 continue
             rows, part = tokens[start : start + n], w[start : start + n]
@@ -90,10 +89,7 @@ class NativeExperts:
     def apply(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16 or not within(x.shape[0], self.max_rows):
             return self.fallback.apply(x, ids, weights)
-        flat = ids.reshape(-1)
-        slots = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.weights.count)
-        tokens = slots // ids.shape[1]
+        tokens, slots, counts = group_by_expert(ids, self.weights.count)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
         xs = x.index_select(0, tokens).contiguous()
         self.kernels.moe_experts_bf16(xs, tokens, weights.reshape(-1)[slots].contiguous(), counts, self.weights, out)
