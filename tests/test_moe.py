@@ -11,14 +11,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from test_families import _ours, _prompt, _theirs
+from test_families import NEW_TOKENS, _ours, _prompt, _theirs
 from test_quant import random_blocks
 
 from waferscale import kernels
 from waferscale.models import builtin_model_path, load_model, quant
 from waferscale.models.gguf_file import read_gguf_file
 from waferscale.models.layers.linear import LoadContext
-from waferscale.models.layers.moe import SOFTMAX_TOPK, TOPK_SOFTMAX, Routing, SparseMoE
+from waferscale.models.layers.moe import SOFTMAX_TOPK, TOPK_SOFTMAX, NativeExperts, Routing, SparseMoE
 from waferscale.models.quant import QuantLinear, from_gguf
 
 native = kernels.load()
@@ -155,6 +155,38 @@ def test_layer_matches_transformers_blocks():
         torch.testing.assert_close(got - 1, want[0], rtol=1e-5, atol=1e-5)
 
 
+def test_layer_with_gpt_oss_parameters_matches_transformers():
+    """The same layer with gpt-oss's parameters (router bias, top-k then softmax, expert biases, clamped SwiGLU)
+    against transformers' GptOssMLP at float32; its fused, transposed, interleaved gate/up converted here."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    torch.manual_seed(6)
+    hidden, inter, experts, k = 64, 32, 8, 4
+    theirs = GptOssMLP(GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
+                                    num_experts_per_tok=k))
+    for p in theirs.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    ours = SparseMoE(hidden, experts, inter, Routing(k, TOPK_SOFTMAX), act="swiglu_clamped", router_bias=True,
+                     expert_bias=True)
+    ours.gate.load([theirs.router.weight.detach()], theirs.router.bias.detach(), "router")
+    ex = theirs.experts
+    for e, expert in enumerate(ours.experts):
+        w, b = ex.gate_up_proj[e].detach().T, ex.gate_up_proj_bias[e].detach()  # [2I, H], gate and up interleaved
+        expert.gate_up_proj.load([w[0::2], w[1::2]], torch.cat([b[0::2], b[1::2]]), f"experts.{e}.gate_up_proj")
+        expert.down_proj.load([ex.down_proj[e].detach().T.contiguous()], ex.down_proj_bias[e].detach(), "down")
+    ctx = LoadContext(torch.float32, native, kernels.cpu_has_native_bf16())
+    for m in ours.modules():
+        if hasattr(m, "process_weights_after_loading"):
+            m.process_weights_after_loading(ctx)
+    x = torch.randn(1, 29, hidden)
+    with torch.no_grad():
+        want = theirs(x)[0][0]
+    gate_up = ours.experts[0].gate_up_proj(x[0]).split(inter, dim=-1)
+    assert (gate_up[0] > 7).any() and (gate_up[1].abs() > 7).any()  # the clamps matter
+    torch.testing.assert_close(ours(x[0]), want, rtol=1e-4, atol=1e-4)  # float32 sums in another order
+
+
 @pytest.mark.skipif(native is None, reason="native kernels could not be built here")
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_quantized_experts_match_a_float_reference_with_uneven_routing(kind, monkeypatch):
@@ -197,6 +229,47 @@ def test_quantized_experts_match_a_float_reference_with_uneven_routing(kind, mon
             assert ((got - want).norm() / want.norm()) < (1e-5 if dtype == torch.float32 else 0.01), (rows, dtype)
 
 
+@pytest.mark.skipif(native is None, reason="native kernels could not be built here")
+@pytest.mark.parametrize("kind", ["bf16", "Q8_0", "Q4_K", "Q6_K"])
+def test_one_native_call_matches_the_python_loop(kind):
+    """Every expert of a bf16 step in one native call, against the experts' modules called one by one: the same
+    bits for bf16 experts (and the same to a rare SiLU rounding tie for quantized ones), with an expert that takes
+    every row and one that takes none."""
+    from waferscale.models.layers.moe import GroupedExperts
+
+    torch.manual_seed(5)
+    hidden, inter, experts = 256, 256, 8
+    layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, SOFTMAX_TOPK, True))
+    router = torch.randn(experts, hidden) * 0.3
+    router[:, 0] = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, -10.0])  # expert 0 in every row's top 2, the last in none
+    layer.gate.load([router.bfloat16()], None, "gate")
+    for e, expert in enumerate(layer.experts):
+        for proj, shape in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+            if kind == "bf16":
+                w = (torch.randn(*shape) * 0.05).bfloat16()
+            else:
+                w = from_gguf(random_blocks(kind, *shape, seed=10 * e + len(proj)), kind, *shape)
+            getattr(expert, proj).load([w], None, f"experts.{e}.{proj}")
+    ctx = LoadContext(torch.bfloat16, native, kernels.cpu_has_native_bf16())
+    for m in layer.modules():
+        if hasattr(m, "process_weights_after_loading"):
+            m.process_weights_after_loading(ctx)
+    method = layer.experts.method
+    assert isinstance(method, NativeExperts) and isinstance(method.fallback, GroupedExperts)
+    for rows in (1, 3, 8, 16):
+        x = torch.randn(rows, hidden).bfloat16()
+        x[:, 0] = 4.0
+        weights, ids = layer.routing.route(layer.gate(x))
+        assert (ids == 0).any(-1).all() and not (ids == experts - 1).any()
+        assert rows < 8 or len(ids.unique()) >= 4
+        weights = weights.bfloat16()
+        got, want = method.apply(x, ids, weights), method.fallback.apply(x, ids, weights)
+        if kind == "bf16":
+            assert torch.equal(got, want), rows
+        else:  # torch's bf16 SiLU after a quantized gate/up, and the kernel's, may round a tie apart (1 bf16 ulp)
+            assert ((got - want).norm() / want.norm()) < 1e-3, rows
+
+
 # ---------------------------------------------------------------- the family from a folder
 
 
@@ -226,6 +299,20 @@ def test_experts_are_used_unevenly_and_loaded_per_expert(qwen3_moe):
     assert torch.equal(ours.model.layers[2].mlp.experts[5].down_proj.weight, down)
 
 
+def test_expert_load_counts_every_routed_row(qwen3_moe):
+    """Each sparse layer counts the rows routed to each expert: k a token, prompt and generated tokens alike."""
+    _, _, ours = qwen3_moe
+    before = ours.model.expert_load()
+    assert sorted(before) == [0, 2]  # layer 1 is dense
+    ids = _prompt(30)
+    _ours(ours, [ids])  # 30 prompt rows, then NEW_TOKENS - 1 decode rows (the last token is not run)
+    after = ours.model.expert_load()
+    for layer in (0, 2):
+        added = [b - a for a, b in zip(before[layer], after[layer])]
+        assert sum(added) == ACTIVE * (len(ids) + NEW_TOKENS - 1)
+        assert max(added) < sum(added) // ACTIVE + 1  # no expert is counted twice for one row
+
+
 def test_a_sequence_decodes_the_same_alone_and_among_15_others(qwen3_moe):
     _, _, ours = qwen3_moe
     target = _prompt(60)
@@ -234,6 +321,23 @@ def test_a_sequence_decodes_the_same_alone_and_among_15_others(qwen3_moe):
     together = _ours(ours, [target, *others])[0]
     assert together[0] == alone[0]
     assert max(abs(a - b) for a, b in zip(together[1], alone[1])) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_folder_quantized_at_load_serves_experts_from_blocks(qwen3_moe, tmp_path, monkeypatch, method):
+    """--quantization int8|int4 on a folder quantizes every expert's projections (the router stays float), and the
+    logits stay close to the float model's."""
+    from test_models import our_logits
+
+    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    _, folder, exact = qwen3_moe
+    served = load_model(folder, dtype="float32", quantization=method, progress=False)
+    layer = served.model.layers[0].mlp
+    assert all(p.quant is not None for e in layer.experts for p in (e.gate_up_proj, e.down_proj))
+    assert layer.gate.quant is None
+    ids = _prompt(40)
+    got, want = our_logits(served, ids), our_logits(exact, ids)
+    assert ((got - want).norm() / want.norm()) < (0.03 if method == "int8" else 0.25)  # 0.014 and 0.17 here
 
 
 # ---------------------------------------------------------------- GGUF qwen3moe
@@ -334,16 +438,18 @@ def test_quantized_gguf_experts_load_from_their_blocks(tmp_path, monkeypatch, ki
     _randomize(ref)
     path = tmp_path / f"tiny-moe.{kind}.gguf"
     _write_qwen3moe_gguf(path, _per_expert_state(ref), cfg, experts_kind=kind)
+    monkeypatch.setattr(quant, "ACT_MODE", quant.ACTIVATION_MODES["float32"])  # activations not rounded
     served = load_model(path, dtype="bfloat16", quantization="auto", progress=False)
     assert served.quantization == "gguf"
     experts = served.model.layers[0].mlp.experts
     assert all(p.quant is not None and p.weight is None for e in experts for p in (e.gate_up_proj, e.down_proj))
+    if native is not None:  # a decode step's experts in one native call
+        assert isinstance(experts.method, NativeExperts)
     downs = [e.down_proj.quant.parts[0].qweight for e in experts]
     assert len({d.untyped_storage().data_ptr() for d in downs}) == 1  # views of one stacked tensor
     ids = served.tokenizer.encode("Hello there, how are you")
     (tokens, _), = _ours(served, [ids])
     assert len(tokens) == 8
-    monkeypatch.setattr(quant, "ACT_MODE", quant.ACTIVATION_MODES["float32"])  # activations not rounded
     dense = load_model(path, dtype="bfloat16", quantization="none", progress=False)  # the same values, bf16
     got, want = our_logits(served, ids), our_logits(dense, ids)
     assert ((got - want).norm() / want.norm()) < 0.02

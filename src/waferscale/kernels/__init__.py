@@ -118,6 +118,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
     lib.decode_layer.argtypes += [ctypes.c_int] + [ptr] * 3 + [i64] * 5 + [f32]
     lib.decode_layer.restype = None
+    lib.moe_experts_bf16.argtypes = [ptr] * 6 + [i64] * 3 + [ptr]
+    lib.moe_experts_bf16.restype = None
     return lib
 
 
@@ -243,6 +245,18 @@ class DecodeLayerWeights:
     def descriptors(self) -> tuple[_Proj, _Proj, _Proj, _Proj]:
         """The four projections' proj_t, built once."""
         return tuple(_proj(w, self.act) for w in (self.qkv, self.o, self.gate_up, self.down))
+
+
+class ExpertWeights:
+    """A mixture-of-experts layer's experts as moe_experts_bf16 reads them: per expert, gate/up (packed in pairs,
+    or a QuantLinear's parts, gate rows first) and down (packed, or parts); descriptors built once, in expert order.
+    The caller keeps the tensors alive."""
+
+    def __init__(self, gate_up: list, down: list, inter: int, act: int = 0):
+        self.inter, self.count = inter, len(gate_up)
+        self._projs = [_proj(w, act) for w in gate_up], [_proj(w, act) for w in down]  # their parts' arrays
+        self.gate_up = (_Proj * self.count)(*self._projs[0])
+        self.down = (_Proj * self.count)(*self._projs[1])
 
 
 class NativeKernels:
@@ -462,6 +476,36 @@ class NativeKernels:
             tables.shape[1],
             block_size,
             scale,
+        )
+
+    def moe_experts_bf16(
+        self,
+        xs: torch.Tensor,
+        tokens: torch.Tensor,
+        weights: torch.Tensor,
+        counts: torch.Tensor,
+        experts: ExpertWeights,
+        out: torch.Tensor,
+    ) -> None:
+        """out[tokens[s]] += bf16(expert(xs[s]) * weights[s]) for the rows s of each expert in turn (counts[e] rows
+        each, in expert order): xs bf16 [S, E] grouped by expert, tokens int64 [S], weights bf16 [S], counts int64
+        [experts], out float32 [T, E] contiguous."""
+        s, e = xs.shape
+        if not (xs.dtype == weights.dtype == torch.bfloat16 and out.dtype == torch.float32 and out.shape[1] == e):
+            raise ValueError("moe_experts_bf16: bf16 rows and weights, a float32 output as wide as the rows")
+        if counts.shape != (experts.count,) or tokens.shape != (s,) or weights.shape != (s,):
+            raise ValueError("moe_experts_bf16: one count per expert, one token and weight per row")
+        self.lib.moe_experts_bf16(
+            xs.data_ptr(),
+            tokens.data_ptr(),
+            weights.data_ptr(),
+            counts.data_ptr(),
+            ctypes.addressof(experts.gate_up),
+            ctypes.addressof(experts.down),
+            experts.count,
+            e,
+            experts.inter,
+            out.data_ptr(),
         )
 
     def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:

@@ -584,3 +584,52 @@ void argmax_logsumexp(const float *x, int64_t B, int64_t V, int64_t *idx, float 
         lse[b] = m + logf(s);
     }
 }
+
+/* A mixture-of-experts feed-forward for bf16 rows grouped by expert (models/layers/moe.py), in one call: expert e
+ * takes the next counts[e] rows of xs [S, E] (0 for an expert no row chose), y = down(silu(gate(x)) * up(x)) through
+ * its projections (proj_t: packed bf16, gate/up in pairs of panels; or quantized parts, gate rows first), and each
+ * of its rows s adds bf16(y * w[s]) to out[tokens[s]] (float32 [T, E], zeroed by the caller), experts in id order:
+ * the kernels, roundings and order of the experts' modules called one by one from Python (bit-identical for bf16
+ * experts; after a quantized gate/up, torch's bf16 SiLU and silu_mul_tile's may round a rare tie apart, as in
+ * decode_layer). */
+void moe_experts_bf16(const uint16_t *xs, const int64_t *tokens, const uint16_t *w, const int64_t *counts,
+                      const proj_t *gate_up, const proj_t *down, int64_t num_experts, int64_t E, int64_t I,
+                      float *out) {
+    int64_t most = 0;
+    for (int64_t e = 0; e < num_experts; e++) most = counts[e] > most ? counts[e] : most;
+    if (!most) return;
+    uint16_t *act = (uint16_t *)malloc((size_t)(most * I) * sizeof(uint16_t));
+    uint16_t *y = (uint16_t *)malloc((size_t)(most * E) * sizeof(uint16_t));
+    uint16_t *gu = NULL;
+    float *gf = NULL;
+    for (int64_t e = 0, s = 0; e < num_experts; s += counts[e], e++) {
+        const int64_t n = counts[e];
+        if (!n) continue;
+        const uint16_t *x = xs + s * E;
+        if (gate_up[e].packed) {
+            gemm_run(x, 1, gate_up[e].packed, NULL, act, 1, NULL, EPI_SILU_MUL, n, E, 2 * I);
+        } else { /* bf16 out, as the expert's QuantLinear gives it (qgemm rounds its 6-row path's sums otherwise
+                  * than a float32 output would), then torch's bf16 silu and product */
+            if (!gu) {
+                gu = (uint16_t *)malloc((size_t)(most * 2 * I) * sizeof(uint16_t));
+                gf = (float *)malloc((size_t)(2 * I) * sizeof(float));
+            }
+            proj_run(gate_up + e, x, n, E, 2 * I, NULL, NULL, gu, 1);
+            for (int64_t m = 0; m < n; m++) {
+                for (int64_t j = 0; j < 2 * I; j++) gf[j] = bf16_to_f32(gu[m * 2 * I + j]);
+                silu_mul_tile(gf, gf + I, act + m * I, I);
+            }
+        }
+        proj_run(down + e, act, n, I, E, NULL, NULL, y, 1);
+        for (int64_t r = 0; r < n; r++) {
+            float *o = out + tokens[s + r] * E;
+            const uint16_t *yr = y + r * E;
+            const float wv = bf16_to_f32(w[s + r]);
+            for (int64_t j = 0; j < E; j++) o[j] += round_bf16(bf16_to_f32(yr[j]) * wv);
+        }
+    }
+    free(gu);
+    free(gf);
+    free(act);
+    free(y);
+}

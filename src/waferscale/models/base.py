@@ -84,6 +84,14 @@ class CausalLM(nn.Module):
             scores = torch.tanh(scores / cap) * cap
         return scores
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """Rows routed to each expert since loading, per sparse layer index (empty for a dense model)."""
+        return {
+            i: layer.mlp.expert_load.tolist()
+            for i, layer in enumerate(self.layers)
+            if hasattr(getattr(layer, "mlp", None), "expert_load")
+        }
+
     def process_weights_after_loading(self, ctx: LoadContext) -> int:
         """Choose every layer's execution path (parents first, so a fused neighbour can claim its parts); returns
         the bytes of packed weights and copies added."""

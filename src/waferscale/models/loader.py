@@ -167,6 +167,7 @@ def _load_folder(
         and _f32_copy_bytes(cfg) < _available_memory() // 4
     )
     model.process_weights_after_loading(LoadContext(dtype, native, hardware, copies))
+    trim_heap()  # the weights that packed copies replaced (every expert's, in a mixture of experts) go back now
     ident = [__version__, cfg.to_dict(), str(dtype), context] + ([quant_label, sorted(kinds)] if quantized else [])
     fingerprint = "fp_" + hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return LoadedModel(model, tokenizer, cfg, name, str(src), dtype, context, fingerprint, quant_label)

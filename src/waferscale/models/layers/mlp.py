@@ -1,4 +1,5 @@
-"""Gated feed-forward layers: down(act(gate(x)) * up(x)), with SiLU (Llama, Qwen) or tanh-GELU (Gemma)."""
+"""Gated feed-forward layers: down(act(gate(x)) * up(x)), with SiLU (Llama, Qwen) or tanh-GELU (Gemma); or
+down(act(gate(x), up(x))) for gpt-oss's clamped SwiGLU."""
 
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ ACTIVATIONS = {
 }
 
 
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's: gate clamped above and up on both sides at `limit`, then (up + 1) * gate * sigmoid(alpha gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+# activations of (gate, up) that are not act(gate) * up
+GATED_ACTIVATIONS = {"swiglu_clamped": _clamped_swiglu}
+
+
 class GatedMLP(nn.Module):
     """gate and up fused in one projection (gate rows first); with SiLU and bf16 weights, both are packed in pairs
     of panels so that one native pass gives silu(gate) * up. Biases on both projections where a family has them
@@ -23,8 +34,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
         super().__init__()
-        if act not in ACTIVATIONS:
-            raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
+        if act not in ACTIVATIONS and act not in GATED_ACTIVATIONS:
+            supported = ", ".join([*ACTIVATIONS, *GATED_ACTIVATIONS])
+            raise ValueError(f"unsupported activation {act!r} (supported: {supported})")
         self.inter, self.act = intermediate_size, act
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
@@ -34,8 +46,10 @@ class GatedMLP(nn.Module):
 
     def process_weights_after_loading(self, ctx: LoadContext) -> None:
         """Pack bf16 gate/up in pairs where the native SiLU-and-multiply kernel applies; before the projections
-        choose their own methods (modules are visited parents first)."""
+        choose their own methods (modules are visited parents first; a second call does nothing)."""
         proj = self.gate_up_proj
+        if self.gate_up_pairs is not None or proj.method is not None:
+            return
         if (
             self.act != "silu"
             or proj.bias is not None
@@ -69,5 +83,6 @@ class GatedMLP(nn.Module):
             act = self.kernels.linear_silu_mul_bf16(x, self.gate_up_pairs, self.inter)
         else:
             gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-            act = ACTIVATIONS[self.act](gate) * up
+            gated = GATED_ACTIVATIONS.get(self.act)
+            act = gated(gate, up) if gated is not None else ACTIVATIONS[self.act](gate) * up
         return self.down_proj(act, residual)

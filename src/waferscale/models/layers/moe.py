@@ -8,13 +8,15 @@ shared expert beside the routed ones (with its own sigmoid gate where the family
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from waferscale.models.layers.linear import Linear
+from waferscale.models import quant
+from waferscale.models.layers.linear import Linear, LoadContext, within
 from waferscale.models.layers.mlp import GatedMLP
 
 SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"
@@ -47,44 +49,99 @@ class Routing:
         return top, ids
 
 
-def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (token, slot) pairs of ids [T, k] sorted by expert: (the token of each, its index into ids.view(-1),
-    the number of rows each expert gets); a token's slots keep their order within an expert."""
+    the number of rows each expert gets, int64 [num_experts]); a token's slots keep their order within an expert."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return order // ids.shape[1], order, counts
+    return order // ids.shape[1], order, torch.bincount(flat, minlength=num_experts)
 
 
-class Experts(nn.ModuleList):
-    """`num_experts` gated MLPs, each its own gate_up_proj and down_proj (loaded from per-expert tensors, named
-    experts.{j}.gate_proj ... as the checkpoints name them)."""
+class GroupedExperts:
+    """Each active expert's modules called from Python on all of its rows at once (any dtype, any method)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
-        super().__init__(GatedMLP(hidden_size, intermediate_size, act, bias=bias) for _ in range(num_experts))
-        self.num_experts, self.hidden_size = num_experts, hidden_size
+    def __init__(self, experts: Experts):
+        self.experts = experts
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum over a token's k experts of weight * expert(x), float32 [T, hidden]; experts are taken in id order
-        and each multiplies all of its rows at once."""
-        tokens, slots, counts = group_by_expert(ids, self.num_experts)
+    def apply(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        tokens, slots, counts = group_by_expert(ids, len(self.experts))
         w = weights.reshape(-1)[slots]
-        out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts.tolist()):
             if not n:
                 continue
             rows, part = tokens[start : start + n], w[start : start + n]
             start += n
-            y = self[e](x.index_select(0, rows))
+            y = self.experts[e](x.index_select(0, rows))
             out.index_add_(0, rows, (y * part.unsqueeze(1)).float())
         return out
+
+
+class NativeExperts:
+    """bf16 batches of up to `max_rows` rows (None: any): every expert of the step in one native call
+    (kernels.moe_experts_bf16), the same kernels and roundings as GroupedExperts (bit-identical for bf16 experts; a
+    quantized expert's SiLU may round a rare tie apart); other batches go to `fallback`."""
+
+    def __init__(self, kernels, weights, max_rows: int | None, fallback: GroupedExperts):
+        self.kernels, self.weights, self.max_rows, self.fallback = kernels, weights, max_rows, fallback
+
+    def apply(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16 or not within(x.shape[0], self.max_rows):
+            return self.fallback.apply(x, ids, weights)
+        tokens, slots, counts = group_by_expert(ids, self.weights.count)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+        xs = x.index_select(0, tokens).contiguous()
+        self.kernels.moe_experts_bf16(xs, tokens, weights.reshape(-1)[slots].contiguous(), counts, self.weights, out)
+        return out
+
+
+class Experts(nn.ModuleList):
+    """`num_experts` gated MLPs, each its own gate_up_proj and down_proj (loaded from per-expert tensors, named
+    experts.{j}.gate_proj ... as the checkpoints name them), applied by a method chosen once after loading."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
+        super().__init__(GatedMLP(hidden_size, intermediate_size, act, bias=bias) for _ in range(num_experts))
+        self.num_experts, self.hidden_size, self.inter = num_experts, hidden_size, intermediate_size
+        self.method: GroupedExperts | NativeExperts | None = None
+
+    def process_weights_after_loading(self, ctx: LoadContext) -> None:
+        """Let each expert choose its projections' methods, then take all experts in one native call where every
+        expert's projections are native bf16 or quantized, without biases. bf16 experts are packed for the native
+        kernels at any row count, without the PyTorch copy kept beside the packed one for large batches where bf16
+        is multiplied in hardware: experts are most of the model's bytes and take a few rows each."""
+        if ctx.packs_bf16() and ctx.native_rows is not None:
+            ctx = dataclasses.replace(ctx, hardware_bf16=False)
+        for m in self.modules():
+            if m is not self and hasattr(m, "process_weights_after_loading"):
+                m.process_weights_after_loading(ctx)
+        self.method = GroupedExperts(self)
+        if ctx.kernels is None or ctx.dtype != torch.bfloat16:
+            return
+        gate_up = [e.decode_gate_up() for e in self]
+        down = [e.down_proj.method.decode_weight() for e in self]
+        biased = any(p.bias is not None for e in self for p in (e.gate_up_proj, e.down_proj))
+        if biased or any(w is None for w in gate_up + down):
+            return
+        from waferscale.kernels import ExpertWeights
+
+        # the row limit of the bf16 paths (packed pairs, packed panels), as the modules apply it
+        rows = min((r for e in self for r in (e.pair_rows, getattr(e.down_proj.method, "max_rows", None))
+                    if r is not None), default=None)
+        weights = ExpertWeights(gate_up, down, self.inter, quant.ACT_MODE)  # as QuantLinear passes it
+        self.method = NativeExperts(ctx.kernels, weights, rows, self.method)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum over a token's k experts of weight * expert(x), float32 [T, hidden]; experts are taken in id order
+        and each multiplies all of its rows at once."""
+        return self.method.apply(x, ids, weights)
 
 
 class SparseMoE(nn.Module):
     """x -> sum of the routed experts' outputs (plus a shared expert's), in x's dtype, plus a residual when given.
     `gate` is the router (named as the checkpoints name it); `shared_expert_gate` scales the shared expert by a
-    sigmoid where the family has one (Qwen2-MoE)."""
+    sigmoid where the family has one (Qwen2-MoE); `expert_load` counts the rows routed to each expert (routing
+    skew, for an operator)."""
 
     def __init__(
         self,
@@ -107,11 +164,13 @@ class SparseMoE(nn.Module):
         shared = shared_intermediate_size
         self.shared_expert = GatedMLP(hidden_size, shared, act) if shared else None
         self.shared_expert_gate = Linear(hidden_size, 1) if shared and shared_gate else None
+        self.expert_load = torch.zeros(num_experts, dtype=torch.int64)  # rows routed to each expert since loading
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for rows x [T, hidden] (in x's dtype), plus `residual` when given."""
         logits = self.gate(x)
         weights, ids = self.routing.route(logits)
+        self.expert_load += torch.bincount(ids.reshape(-1), minlength=len(self.expert_load))
         out = self.experts(x, ids, weights.to(logits.dtype))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
