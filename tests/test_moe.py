@@ -193,7 +193,7 @@ def test_quantized_experts_match_a_float_reference_with_uneven_routing(kind, mon
     """Experts from GGUF blocks against the same weights dequantized, tokens routed so that expert 0 takes every
     row and expert 3 none; bf16 and float32 activations (kept float32 in the kernel: rounding them to int8 for
     small batches is the kernels' accuracy policy, tested in test_quant.py)."""
-    monkeypatch.setattr(quant, "ACT_MODE", quant.ACTIVATION_MODES["float32"])
+    monkeypatch.setattr(quant.modules, "ACT_MODE", quant.ACTIVATION_MODES["float32"])
     torch.manual_seed(4)
     hidden, inter, experts, k = 256, 256, 4, 2
     router = torch.randn(experts, hidden) * 0.01
@@ -438,7 +438,7 @@ def test_quantized_gguf_experts_load_from_their_blocks(tmp_path, monkeypatch, ki
     _randomize(ref)
     path = tmp_path / f"tiny-moe.{kind}.gguf"
     _write_qwen3moe_gguf(path, _per_expert_state(ref), cfg, experts_kind=kind)
-    monkeypatch.setattr(quant, "ACT_MODE", quant.ACTIVATION_MODES["float32"])  # activations not rounded
+    monkeypatch.setattr(quant.modules, "ACT_MODE", quant.ACTIVATION_MODES["float32"])  # activations not rounded
     served = load_model(path, dtype="bfloat16", quantization="auto", progress=False)
     assert served.quantization == "gguf"
     experts = served.model.layers[0].mlp.experts

@@ -128,7 +128,7 @@ class Experts(nn.ModuleList):
         # the row limit of the bf16 paths (packed pairs, packed panels), as the modules apply it
         rows = min((r for e in self for r in (e.pair_rows, getattr(e.down_proj.method, "max_rows", None))
                     if r is not None), default=None)
-        weights = ExpertWeights(gate_up, down, self.inter, quant.ACT_MODE)  # as QuantLinear passes it
+        weights = ExpertWeights(gate_up, down, self.inter, quant.modules.ACT_MODE)  # as QuantLinear passes it
         self.method = NativeExperts(ctx.kernels, weights, rows, self.method)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
