@@ -15,7 +15,8 @@ from test_batch import line, submit, wait
 @pytest.fixture(scope="module")
 def one_slot(tmp_path_factory):
     s = Server(
-        "--max-num-seqs", "1", "--data-dir", str(tmp_path_factory.mktemp("data")), "--batch-min-requests", "1"
+        "--max-num-seqs", "1", "--data-dir", str(tmp_path_factory.mktemp("data")), "--batch-min-requests", "1",
+        "--speculative", "none",  # one token a step: the timings below hold the one slot long enough
     )
     yield s
     s.stop()
@@ -31,6 +32,7 @@ def chat(c: openai.OpenAI, max_tokens: int, **kw):
         messages=[{"role": "user", "content": "Tell me a long story about a dragon."}],
         max_completion_tokens=max_tokens,
         temperature=0,
+        extra_body={"min_completion_tokens": max_tokens},  # no early end: the timings below rely on the length
         **kw,
     )
 
@@ -48,7 +50,7 @@ def in_background(fn, done: dict, name: str) -> threading.Thread:
 def test_priority_goes_first_and_flex_waits(one_slot):
     c = client(one_slot)
     done: dict[str, float] = {}
-    threads = [in_background(lambda: chat(c, 24), done, "default")]
+    threads = [in_background(lambda: chat(c, 300), done, "default")]
     time.sleep(1.0)  # the default request holds the one slot
     threads.append(in_background(lambda: chat(c, 2, service_tier="flex"), done, "flex"))
     time.sleep(0.5)
@@ -72,7 +74,7 @@ def test_a_queue_threshold_outside_50_to_20000_ms_is_a_400_for_flex(one_slot, va
 
 def test_batch_work_yields_to_an_interactive_request(one_slot):
     c = client(one_slot)
-    b = submit(c, [line(f"b{i}", "Tell me a long story.", max_tokens=16) for i in range(4)])
+    b = submit(c, [line(f"b{i}", "Tell me a long story.", max_tokens=150, min_completion_tokens=150) for i in range(4)])
     deadline = time.time() + 120
     while c.batches.retrieve(b.id).status != "in_progress" and time.time() < deadline:
         time.sleep(0.1)
@@ -90,7 +92,7 @@ def test_batch_work_yields_to_an_interactive_request(one_slot):
 def test_queue_threshold_refuses_flex_when_the_queue_is_slower(one_slot):
     c = client(one_slot)
     threads = [
-        in_background(lambda: chat(c, 12), {}, str(i)) for i in range(3)
+        in_background(lambda: chat(c, 120), {}, str(i)) for i in range(3)
     ]  # they queue behind each other
     for t in threads:
         t.join()
