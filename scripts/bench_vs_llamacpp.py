@@ -389,7 +389,7 @@ def llama_fields(output: int) -> dict:
 
 def servers(cache: Path, selected: list[str], skip_llamacpp: bool) -> list[Server]:
     """The server configurations to run, building llama-server and the BF16 GGUF first when needed."""
-    from waferscale.models.loader import builtin_model_path
+    from waferscale.models import builtin_model_path
 
     waferscale = str(Path(sys.executable).parent / "waferscale")
     ws = [Server("waferscale", "waferscale bf16", [waferscale, "serve"], waferscale_fields, tuple(selected))]

@@ -1,7 +1,7 @@
 """Every family's forward against transformers at float32: tiny random Qwen3, Gemma 3, windowed Mistral and
 windowed Qwen2 folders made by transformers here, each with a sliding window shorter than the longer prompts, give
-the same greedy tokens and logprobs within 5e-3 on prompts of 6, 60 and 280 tokens; decoding, chunked prefill and a
-prefix-cache hit that starts mid-window included."""
+the same greedy tokens and logprobs within 5e-3 on prompts of 6, 60 and 280 tokens; decoding, chunked prefill and batched
+prompts that share a prefix included."""
 
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ def test_greedy_tokens_and_logprobs_match_transformers(family, length):
 
 
 def test_chunked_prefill_and_batching_give_the_same_tokens(family):
-    """Prompts prefilled in chunks of 32 (each chunk's window reaching into earlier chunks), three at once, and a
-    second prompt sharing the first one's 70-token prefix (a prefix-cache hit that starts mid-window)."""
+    """Prompts prefilled in chunks of 32 (each chunk's window reaching into earlier chunks), three at once, one of
+    them sharing the first one's 70-token prefix."""
     _, ours = family
     base = _prompt(280)
     prompts = [base, _prompt(60), base[:70] + _prompt(40)]

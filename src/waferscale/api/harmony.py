@@ -1,5 +1,5 @@
 """gpt-oss's harmony output parsed as it streams: analysis → reasoning, final (and commentary without a recipient)
-→ content, commentary addressed `to=functions.NAME` → one whole tool call; docs: ../shared/spec/reasoning.md §8.
+→ content, commentary addressed `to=functions.NAME` → one whole tool call, as openai/harmony's format guide (docs/format.md, v0.0.8) describes it.
 
 The parser reads the generated text with special tokens kept (`<|channel|>`, `<|message|>`, ...), a piece at a time
 as the detokenizer releases it; a special token split across pieces is held back until it is whole. The model's

@@ -15,11 +15,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from waferscale.engine.block_manager import BlockManager
+from waferscale.engine.drafts import draft_tokens
 from waferscale.engine.errors import ErrorKind, RequestError
 from waferscale.engine.params import BATCH_PRIORITY
-from waferscale.engine.prediction import MAX_DRAFT, propose
 from waferscale.engine.sequence import Sequence
-from waferscale.engine.speculation import NgramState, SpeculativeConfig
+from waferscale.engine.speculation import SpeculativeConfig
 
 BATCH_BESIDE_INTERACTIVE = 4  # batch sequences that may run beside interactive ones (see _batch_room)
 
@@ -124,10 +124,7 @@ class Scheduler:
                 continue
             if seq not in self.running:  # preempted while making room for an older sequence
                 continue
-            if seq.params.prediction:
-                drafts = self._drafts(seq, budget - 1)
-            else:
-                drafts = self._speculate(seq, budget - 1) if speculate else []
+            drafts = draft_tokens(seq, budget - 1, self.max_model_len, self.speculative, speculate)
             if not self._ensure_blocks(seq, len(seq.token_ids) + len(drafts)):
                 continue  # seq itself was preempted
             taken.add(id(seq))
@@ -237,34 +234,6 @@ class Scheduler:
         keys = self._prompt_keys(seq)
         reused = [] if seq.params.prompt_logprobs else self.blocks.match(keys, seq.token_ids)
         return self.blocks.can_allocate(needed - len(reused), reused)
-
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Prediction tokens to verify after seq's last token, within the budget, max_tokens and the context."""
-        k = min(
-            MAX_DRAFT,
-            budget,
-            seq.params.max_tokens - seq.num_generated - 1,
-            self.max_model_len - len(seq.token_ids),
-        )
-        drafts, seq.prediction_anchor = propose(
-            seq.params.prediction, seq.output_ids, seq.prediction_anchor, k
-        )
-        return drafts
-
-    def _speculate(self, seq: Sequence, budget: int) -> list[int]:
-        """Draft tokens from seq's own prompt and output (n-gram lookup), within the budget, max_tokens and the
-        context."""
-        k = min(
-            self.speculative.max_draft,
-            budget,
-            seq.params.max_tokens - seq.num_generated - 1,
-            self.max_model_len - len(seq.token_ids),
-        )
-        if k <= 0:
-            return []
-        if seq.ngram is None:
-            seq.ngram = NgramState()
-        return seq.ngram.propose(seq.token_ids, k)
 
     def settle_drafts(self, seq: Sequence) -> None:
         """After verification: only the accepted drafts' keys and values count (the rest are overwritten later)."""

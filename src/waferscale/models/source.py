@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,13 @@ GEMMA3_270M = ChunkedModel(
 )
 # `--model NAME` for each: the built-in SmolLM2 (also what no --model serves) and the optional extras' models
 BUILTIN_MODELS: dict[str, ChunkedModel | None] = {"smollm2-135m-instruct": None, "gemma-3-270m": GEMMA3_270M}
+
+
+def derive_name(path: Path) -> str:
+    """A served-model name from the file or folder name: SmolLM2-135M-Instruct.Q4_1.gguf -> smollm2-135m-instruct."""
+    stem = path.name if path.is_dir() else path.stem
+    stem = re.sub(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", "", stem, flags=re.IGNORECASE)
+    return stem.lower()
 
 
 def cache_root() -> Path:

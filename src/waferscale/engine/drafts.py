@@ -1,0 +1,26 @@
+"""The draft tokens a decoding sequence verifies in its step: its client's predicted output where it sent one, else
+the server's own n-gram speculation (when the step is small enough for it to pay)."""
+
+from __future__ import annotations
+
+from waferscale.engine.prediction import MAX_DRAFT, propose
+from waferscale.engine.sequence import Sequence
+from waferscale.engine.speculation import NgramState, SpeculativeConfig
+
+
+def draft_tokens(
+    seq: Sequence, budget: int, max_model_len: int, speculative: SpeculativeConfig, speculate: bool
+) -> list[int]:
+    """Drafts to run after seq's last token, within the step's token budget, max_tokens and the context."""
+    limit = min(budget, seq.params.max_tokens - seq.num_generated - 1, max_model_len - len(seq.token_ids))
+    if seq.params.prediction:
+        drafts, seq.prediction_anchor = propose(
+            seq.params.prediction, seq.output_ids, seq.prediction_anchor, min(MAX_DRAFT, limit)
+        )
+        return drafts
+    k = min(speculative.max_draft, limit)
+    if not speculate or k <= 0:
+        return []
+    if seq.ngram is None:
+        seq.ngram = NgramState()
+    return seq.ngram.propose(seq.token_ids, k)

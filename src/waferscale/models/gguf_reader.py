@@ -1,0 +1,131 @@
+"""A GGUF file read as its config, tokenizer and Hugging Face-named tensors: llama.cpp's tensor names and metadata
+keys mapped per family (models/registry.py), its quantized blocks kept as QuantWeights where models/quant/ serves
+them, the rest dequantized."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from waferscale.models.config import ModelConfig
+from waferscale.models.quant import QuantWeight, from_gguf, quantize
+from waferscale.models.registry import GGUF_ARCHITECTURES, family_for_gguf
+from waferscale.models.source import ModelLoadError, derive_name
+from waferscale.models.tokenizer import ModelTokenizer
+
+_GGUF_TO_HF = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _unpermute(w: np.ndarray | QuantWeight, n_head: int) -> np.ndarray | QuantWeight:
+    """Undo llama.cpp's q/k row permutation (interleaved rope) back to the Hugging Face rotate-half layout."""
+    if isinstance(w, QuantWeight):  # whole rows move: the same permutation of the blocks' rows
+        return w.take_rows(torch.from_numpy(_unpermute(np.arange(w.out_features), n_head).copy()))
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True, quantization: str = "none"):
+    """Config, tokenizer and Hugging Face-named tensors from a GGUF file: dequantised to dtype (quantization none),
+    or, for the 2-D weights in a format models/quant/ serves, QuantWeights of the same values (and float
+    2-D weights quantized with quantization int8/int4)."""
+    from gguf.quants import dequantize
+
+    from waferscale.models.gguf_file import read_gguf_file
+
+    try:
+        reader = read_gguf_file(src)
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"{src} is not a readable GGUF file: {exc}") from exc
+    meta = reader.metadata
+    arch = meta.get("general.architecture")
+    family = family_for_gguf(arch)
+    if family is None:
+        raise ModelLoadError(
+            f"{src}: unsupported architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    to_hf = {**_GGUF_TO_HF, **family.gguf_tensors}
+
+    def m(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    tokenizer = ModelTokenizer.from_gguf_metadata(meta)
+    names = {t.name for t in reader.tensors}
+    heads = m("attention.head_count")
+    hidden = m("embedding_length")
+    cfg = ModelConfig(
+        architecture=arch,
+        vocab_size=m("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=m("feed_forward_length"),
+        num_layers=m("block_count"),
+        num_heads=heads,
+        num_kv_heads=m("attention.head_count_kv") or heads,
+        head_dim=m("attention.key_length") or hidden // heads,
+        max_position_embeddings=m("context_length", 4096),
+        rms_norm_eps=m("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=m("rope.freq_base", 10000.0),
+        attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
+        name=derive_name(src),
+    )
+    family.read_gguf(cfg, m)
+    if m("rope.scaling.type") == "linear":
+        cfg.rope_scaling = {"type": "linear", "factor": m("rope.scaling.factor")}
+    elif m("rope.scaling.type") not in (None, "none"):
+        raise ModelLoadError(f"{src}: unsupported rope scaling {m('rope.scaling.type')!r}")
+
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(
+        reader.tensors, desc=f"converting {src.name}", unit="tensor", disable=not progress, file=sys.stderr
+    ):
+        parts = t.name.split(".")
+        w = None
+        if quantization != "none" and len(t.shape) in (2, 3):
+            # GGUF lists dimensions innermost first; experts stacked in 3-D ([K, N, E]) become E * N rows
+            n, k = int(np.prod([int(d) for d in t.shape[1:]])), int(t.shape[0])
+            w = from_gguf(np.asarray(t.data), t.tensor_type.name, n, k)
+            if w is None and quantization in ("int8", "int4") and k % 32 == 0 and t.name != "rope_freqs.weight":
+                dense = dequantize(t.data, t.tensor_type).reshape(n, k)
+                w = quantize(torch.from_numpy(np.array(dense, dtype=np.float32)), quantization)
+        if w is None:
+            w = dequantize(t.data, t.tensor_type)
+        if t.name == "rope_freqs.weight":
+            cfg.rope_scaling = {"type": "freq_factors", "factors": w.astype(np.float32).tolist()}
+            continue
+        if parts[0] == "blk":
+            layer, kind, suffix = parts[1], parts[2], parts[3]
+            if kind not in to_hf:
+                raise ModelLoadError(f"{src}: unexpected tensor {t.name!r}")
+            if family.gguf_permuted_qk and arch == "llama" and kind in ("attn_q", "attn_k"):
+                w = _unpermute(w, heads if kind == "attn_q" else cfg.num_kv_heads)
+            name = f"model.layers.{layer}.{to_hf[kind]}.{suffix}"
+        elif t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            name = "model.norm.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        else:
+            raise ModelLoadError(f"{src}: unexpected tensor {t.name!r}")
+        if isinstance(w, QuantWeight):
+            tensors[name] = w
+        else:
+            w = np.array(w, dtype=np.float32)
+            if family.gguf_norm_offset and name.endswith("norm.weight"):
+                w = w + np.float32(family.gguf_norm_offset)  # llama.cpp stores Gemma's norms as 1 + w
+            tensors[name] = torch.from_numpy(w).to(dtype)
+    return cfg, tokenizer, tensors
