@@ -476,3 +476,37 @@ def test_a_model_that_does_not_fit_is_refused_before_loading(qwen3_moe, tmp_path
     with pytest.raises(ModelLoadError, match="GiB of memory for its weights"):
         load_model(path, dtype="float32", progress=False)
     assert not (tmp_path / "cache" / "converted").exists() or not any((tmp_path / "cache" / "converted").iterdir())
+
+
+# ---------------------------------------------------------------- served through the SDK
+
+
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_served_through_the_cerebras_sdk_from_a_folder_and_a_gguf(qwen3_moe, hf_tokenizer, tmp_path, source):
+    """`waferscale serve --model` on a Qwen3-MoE folder and on a qwen3moe GGUF: a greedy completion through the
+    official SDK is transformers' greedy continuation."""
+    from conftest import Server, cerebras_for
+    from transformers import AutoModelForCausalLM
+
+    if source == "folder":
+        ref, path, _ = qwen3_moe
+    else:
+        torch.manual_seed(3)
+        cfg = _qwen3_moe_config(mlp_only_layers=[])
+        ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        _randomize(ref)
+        path = tmp_path / "tiny-moe.gguf"
+        _write_qwen3moe_gguf(path, _per_expert_state(ref), cfg)
+    ids = _prompt(20)
+    want_tokens, _ = _theirs(ref, ids)
+    server = Server("--model", str(path), "--served-model-name", "tiny-moe", "--dtype", "float32",
+                    "--kv-cache-memory", "32MiB", env={"WAFERSCALE_CACHE_DIR": str(tmp_path / "cache")})
+    try:
+        with cerebras_for(server.url) as client:
+            out = client.completions.create(
+                model="tiny-moe", prompt=ids, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0
+            )
+    finally:
+        server.stop()
+    assert out.choices[0].text == hf_tokenizer.decode(want_tokens)
+    assert out.usage.completion_tokens == NEW_TOKENS
