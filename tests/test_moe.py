@@ -8,6 +8,7 @@ quantized blocks split per expert without a copy."""
 from __future__ import annotations
 
 import gguf
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -500,13 +501,26 @@ def test_served_through_the_cerebras_sdk_from_a_folder_and_a_gguf(qwen3_moe, hf_
     ids = _prompt(20)
     want_tokens, _ = _theirs(ref, ids)
     server = Server("--model", str(path), "--served-model-name", "tiny-moe", "--dtype", "float32",
-                    "--kv-cache-memory", "32MiB", env={"WAFERSCALE_CACHE_DIR": str(tmp_path / "cache")})
+                    "--kv-cache-memory", "32MiB", "--speculative", "none", env={"WAFERSCALE_CACHE_DIR": str(tmp_path / "cache")})
     try:
         with cerebras_for(server.url) as client:
             out = client.completions.create(
                 model="tiny-moe", prompt=ids, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0
             )
+        metrics = httpx.get(server.url + "/metrics").text
     finally:
         server.stop()
     assert out.choices[0].text == hf_tokenizer.decode(want_tokens)
     assert out.usage.completion_tokens == NEW_TOKENS
+    # /metrics: tokens routed to each expert, summed per layer over every forward row (prompt and
+    # generated; no speculation, whose rejected drafts are routed rows too)
+    routed = {}
+    for line in metrics.splitlines():
+        if line.startswith("waferscale_expert_routed_tokens_total{"):
+            labels, value = line.split("} ")
+            layer = int(labels.split('layer="')[1].split('"')[0])
+            routed[layer] = routed.get(layer, 0) + float(value)
+    sparse = [0, 2] if source == "folder" else [0, 1, 2]
+    assert sorted(routed) == sparse
+    rows = len(ids) + NEW_TOKENS - 1  # the last token is sampled, never fed back
+    assert all(total == rows * ACTIVE for total in routed.values()), routed

@@ -44,6 +44,14 @@ class EngineCollector:
             yield CounterMetricFamily(PREFIX + name, HELP.get(name, name), value=value)
         yield _histogram("time_to_first_token_seconds", "arrival to first generated token", stats.ttft)
         yield _histogram("inter_token_latency_seconds", "time between tokens of a sequence", stats.itl)
+        if stats.expert_load:  # a mixture of experts: routing skew, per sparse layer and expert
+            family = CounterMetricFamily(
+                PREFIX + "expert_routed_tokens", "tokens routed to each expert, by layer", labels=["layer", "expert"]
+            )
+            for layer, counts in sorted(stats.expert_load.items()):
+                for expert, count in enumerate(counts):
+                    family.add_metric([str(layer), str(expert)], count)
+            yield family
 
 
 USAGE = {  # KeyUsage field -> (metric name, help)

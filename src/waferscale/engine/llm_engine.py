@@ -167,6 +167,7 @@ class LLMEngine:
             speculative_accepted_tokens=o.speculative_accepted,
             ttft=o.ttft.snapshot(),
             itl=o.itl.snapshot(),
+            expert_load=self.model.expert_load(),
         )
 
     def has_work(self) -> bool:

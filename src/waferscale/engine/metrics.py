@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -54,6 +54,7 @@ class EngineStats:
     speculative_accepted_tokens: int = 0  # and how many of them the model confirmed
     ttft: HistogramSnapshot | None = None  # arrival to first token
     itl: HistogramSnapshot | None = None  # between consecutive tokens of a sequence
+    expert_load: dict[int, list[int]] = field(default_factory=dict)  # sparse layer -> rows routed to each expert
 
     GAUGES = ("running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached")
     COUNTERS = (

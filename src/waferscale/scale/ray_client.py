@@ -112,6 +112,9 @@ class RayEngineClient:
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
             total.ttft = _merge(total.ttft, stats.ttft)
             total.itl = _merge(total.itl, stats.itl)
+            for layer, counts in stats.expert_load.items():
+                mine = total.expert_load.setdefault(layer, [0] * len(counts))
+                total.expert_load[layer] = [a + b for a, b in zip(mine, counts)]
         return total
 
 
