@@ -431,6 +431,7 @@ def run_server(server: Server, scenarios: dict[str, Scenario], log_dir: Path, wa
     with running(server, log_dir) as (url, proc):
         out["argv"] = proc.args
         out["rss_idle"] = proc_status(proc.pid, "VmRSS")
+        out["rss_load_peak"] = proc_status(proc.pid, "VmHWM")  # loading's peak, before any scenario resets it
         machine0, srv0, me0, t0 = (
             cpu_seconds(),
             cpu_seconds(proc.pid),
