@@ -280,7 +280,7 @@ class Scheduler:
             max(0, t - len(table)) * kind.pages for t, table, kind in zip(targets, hit.tables, self.kinds)
         )
 
-    def _sequence_pages(self, num_tokens: int) -> int:
+    def sequence_pages(self, num_tokens: int) -> int:
         """The most pages a sequence of `num_tokens` tokens holds at once: every block of the whole-context kinds,
         and of a window kind what a chunk and the window behind it span."""
         blocks = -(-num_tokens // self.block_size)
@@ -390,7 +390,7 @@ class Scheduler:
         keys = self._prompt_keys(seq)
         hit = self._hit(seq)
         needed = self._admission_pages(seq, hit, budget)
-        if self._sequence_pages(len(tokens)) > self.blocks.num_blocks - 1 or (
+        if self.sequence_pages(len(tokens)) > self.blocks.num_blocks - 1 or (
             not self.running and not self.blocks.can_allocate(needed, hit.reused)
         ):
             message = (
