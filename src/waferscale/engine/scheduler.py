@@ -393,9 +393,12 @@ class Scheduler:
         if self.sequence_pages(len(tokens)) > self.blocks.num_blocks - 1 or (
             not self.running and not self.blocks.can_allocate(needed, hit.reused)
         ):
+            longest = self.capacity_tokens()
             message = (
-                f"the sequence needs {len(tokens)} tokens of KV cache; this server's cache holds "
-                f"{self.capacity_tokens()}: send a shorter prompt"
+                f"the sequence needs {len(tokens)} tokens of KV cache; this server's cache holds {longest}: send a "
+                "shorter prompt"
+                if longest
+                else "this server's KV cache is too small for one sliding window and chunk: raise --kv-cache-memory"
             )
             seq.fail(RequestError(ErrorKind.INVALID_REQUEST, message, "prompt"))
             return True
