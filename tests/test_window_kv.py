@@ -103,6 +103,9 @@ def test_prefix_hits_resume_mid_context_with_the_window_blocks_they_need(family)
     (again, other), _ = _run(engine, [first, branch])
     stats = engine.stats()
     assert stats.prefix_cache_hits >= 2 * 15  # 18 and 15 blocks of 16 found
+    # /metrics' gauges count pages: all idle now, the cached ones among the free
+    assert stats.kv_blocks_used == 0 and stats.kv_blocks_free == engine.blocks.num_blocks - 1
+    assert 0 < stats.kv_blocks_cached <= stats.kv_blocks_free
     assert again == _theirs(ref, first) and other == _theirs(ref, branch)
 
 
