@@ -50,7 +50,7 @@ def test_allocating_evicts_idle_cached_blocks_until_the_pages_suffice():
     singles = fill(bm, 0, list(range(12)))  # three one-page cached blocks
     bm.release(singles)
     assert bm.num_available == 4 and bm.evictable_pages == 3
-    b = bm.allocate(1)  # 3 pages: the free one and the two oldest cached blocks
+    bm.allocate(1)  # 3 pages: the free one and the two oldest cached blocks
     assert bm.num_used == 3 and bm.evictable_pages == 1
     assert bm.match(bm.block_keys(list(range(12))), list(range(12))) == []  # the first block was evicted
 
