@@ -18,7 +18,7 @@ from waferscale.engine.detokenizer import IncrementalDetokenizer
 from waferscale.engine.errors import ErrorKind, RequestError, internal_error
 from waferscale.engine.faults import FaultHooks
 from waferscale.engine.grammar import GrammarError, GrammarMasks
-from waferscale.engine.kv_cache import KVPool
+from waferscale.engine.kv_cache import KVLayout, KVPool
 from waferscale.engine.metrics import EngineStats
 from waferscale.engine.model_runner import ModelRunner
 from waferscale.engine.output_processor import OutputProcessor
@@ -57,25 +57,17 @@ class LLMEngine:
         cfg = loaded.config
         # attention runs in float32 where the CPU only emulates bf16/fp16 (several times faster there)
         kv_dtype = loaded.dtype if cpu_has_native_bf16() else torch.float32
-        per_block = KVPool.bytes_per_block(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, block_size
-        )
-        num_blocks = max(2, kv_cache_bytes // per_block)
+        layout = KVLayout(tuple(cfg.window(i) for i in range(cfg.num_layers)))
+        per_page = KVPool.bytes_per_block(layout.group_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, block_size)
+        kinds = layout.block_kinds
+        num_pages = max(1 + max(k.pages for k in kinds), kv_cache_bytes // per_page)
         self.block_size = block_size
         # decode attention reads the pool in place through the native kernel where it could be built
         self.native = kernels.load() if kv_dtype in (torch.float32, torch.bfloat16) else None
-        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, num_blocks, block_size)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache)
-        log.info(
-            "KV cache: %d tokens in %d MiB, %.1f KB a token (%s, %d layers of %d KV heads of %d)",
-            (num_blocks - 1) * block_size,
-            num_blocks * per_block >> 20,
-            per_block / block_size / 1024,
-            str(kv_dtype).removeprefix("torch."),
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
+        self.pool = KVPool(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, num_pages, block_size, layout.windows
         )
+        self.blocks = BlockManager(num_pages, block_size, enable_prefix_cache, kinds)
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=max_num_seqs,
@@ -84,7 +76,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             speculative=speculative,
         )
-        self.runner = ModelRunner(self.model, self.pool, self.native, block_size)
+        self.runner = ModelRunner(self.model, self.pool, self.native, self.blocks)
+        self._log_kv(kv_dtype, per_page)
         self.faults = FaultHooks()
         self.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
         self.grammars = GrammarMasks(loaded.tokenizer.tokenizer, cfg.vocab_size, self.eos_ids)
@@ -109,6 +102,26 @@ class LLMEngine:
     @property
     def waiting(self):
         return self.scheduler.waiting
+
+    def _log_kv(self, kv_dtype: torch.dtype, per_page: int) -> None:
+        """The pool's size, each kind's KB a token, and the longest sequence it holds."""
+        cfg, bs = self.loaded.config, self.block_size
+        kinds = ", ".join(
+            f"{k.pages * per_page / bs / 1024:.1f} KB a token in {k.pages * self.pool.layout.group_size} "
+            + ("whole-context layers" if k.window is None else f"layers of window {k.window} (at most "
+               f"{self.scheduler.window_blocks(k.window) * bs} tokens a sequence)")
+            for k in self.blocks.kinds
+        )
+        longest = self.scheduler.capacity_tokens()
+        log.info(
+            "KV cache: %d MiB, %s; one sequence fits %s tokens (%s, %d KV heads of %d)",
+            self.blocks.num_blocks * per_page >> 20,
+            kinds,
+            "any number of" if longest is None else longest,
+            str(kv_dtype).removeprefix("torch."),
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
 
     # ------------------------------------------------------------------ interface
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -156,7 +169,7 @@ class LLMEngine:
             waiting=len(s.waiting),
             kv_blocks_used=b.num_used,
             kv_blocks_free=b.num_available,
-            kv_blocks_cached=len(b.evictable),
+            kv_blocks_cached=b.evictable_pages,
             prefix_cache_queries=b.queries,
             prefix_cache_hits=b.hits,
             generated_tokens=o.generated_tokens,

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from waferscale.engine.kv_cache import KVPool, PagedBatch
+from waferscale.engine.block_manager import BlockManager
+from waferscale.engine.kv_cache import KVGroup, KVPool, PagedBatch
 from waferscale.engine.scheduler import ScheduledBatch
 from waferscale.engine.sequence import Sequence
 
@@ -25,16 +26,20 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, native, block_size: int):
-        self.model, self.pool, self.native, self.block_size = model, pool, native, block_size
+    def __init__(self, model, pool: KVPool, native, blocks: BlockManager):
+        self.model, self.pool, self.native, self.block_size = model, pool, native, blocks.block_size
+        self.kinds = blocks.kinds
+        self.groups = pool.layout.groups
+        # the pages of each block (BlockManager.page_map, shared memory: kept current by the block manager); a
+        # block's first page names it
+        self.page_map = torch.frombuffer(blocks.page_map, dtype=torch.int64).view(-1, blocks.map_width)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(seq.block_table)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def _pages(self, blocks: torch.Tensor, r: int) -> torch.Tensor:
+        """The pages of group r of these blocks (a block of a one-page kind is its page)."""
+        return blocks if r == 0 else self.page_map[blocks, r]
 
     def forward(self, batch: ScheduledBatch) -> ForwardOutput:
         """One forward over every scheduled token: decode rows first, then each prefill chunk.
@@ -56,43 +61,61 @@ class ModelRunner:
             rows.extend((seq, start + j, t) for j, t in enumerate(tokens[:chunk]))
         ids = [t for _, _, t in rows]
         positions = [p for _, p, _ in rows]
-        slots = []
-        paged = PagedBatch(self.pool, torch.empty(0, dtype=torch.long))
-        if rows:
-            lengths = torch.tensor([p + 1 for _, p, _ in rows])
-            width = max(len(s.block_table) for s, _, _ in rows)
-            tables = torch.zeros(len(rows), width, dtype=torch.long)
-            for i, (seq, _, _) in enumerate(rows):
-                tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table)
-            paged.num_decode = len(rows)
-            paged.decode_tables = tables
-            paged.decode_lengths = lengths
-            paged.native = self.native
-            if self.native is None:  # the native kernels stop at each row's length themselves
-                paged.decode_mask = (
-                    torch.arange(width * self.block_size).unsqueeze(0) < lengths.unsqueeze(1)
-                )[:, None, None]
-            last = lengths - 1
-            slots.append(
-                tables[torch.arange(len(rows)), last // self.block_size] * self.block_size
-                + last % self.block_size
-            )
         row = len(rows)
         sample_rows: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(batch.decodes)]
         score_rows: list[tuple[Sequence, int, int, int]] = []
+        chunks: list[tuple[Sequence, int, int, int]] = []  # prefill: sequence, first row, start, end
         for seq, chunk in prefills:
             start = seq.num_computed
             end = start + chunk
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.append(self._slots(seq, start, end))
-            table = torch.tensor(seq.block_table[: -(-end // self.block_size)])
-            paged.prefills.append((row, row + chunk, table, start, end))
+            chunks.append((seq, row, start, end))
             if seq.params.prompt_logprobs and not seq.prompt_logprobs_sent:
                 score_rows.append((seq, row, start, chunk))
             if end == len(seq.token_ids):
                 sample_rows.append((seq, row + chunk - 1))
             row += chunk
-        paged.slots = torch.cat(slots)
+        kind_plans = [self._kind_plan(k, rows, chunks) for k in range(len(self.kinds))]
+        groups = [self._group(kind_plans[k], r, torch.tensor(positions)) for k, r in self.groups]
+        paged = PagedBatch(self.pool, num_decode=len(rows), native=self.native if rows else None, groups=groups)
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), paged)
         return ForwardOutput(hidden, sample_rows, score_rows, draft_rows)
+
+    def _kind_plan(self, k: int, rows, chunks) -> tuple:
+        """One kind's block ids: decode tables and lengths (from each row's first live block), the block each row
+        writes, and each prefill chunk's table from its first live block."""
+        bs = self.block_size
+        writes: list[torch.Tensor] = []
+        tables = lengths = None
+        if rows:
+            firsts = [seq.dropped[k] for seq, _, _ in rows]
+            width = max(len(s.block_tables[k]) - f for (s, _, _), f in zip(rows, firsts))
+            tables = torch.zeros(len(rows), width, dtype=torch.long)
+            for i, ((seq, _, _), f) in enumerate(zip(rows, firsts)):
+                live = seq.block_tables[k][f:]
+                tables[i, : len(live)] = torch.tensor(live)
+            lengths = torch.tensor([p + 1 - f * bs for (_, p, _), f in zip(rows, firsts)])
+            writes.append(tables[torch.arange(len(rows)), (lengths - 1) // bs])
+        prefills = []
+        for seq, first_row, start, end in chunks:
+            f = seq.dropped[k]
+            table = torch.tensor(seq.block_tables[k][f : -(-end // bs)])
+            writes.append(table[torch.arange(start, end) // bs - f])
+            prefills.append((first_row, first_row + end - start, table, start, end, f * bs))
+        return tables, lengths, torch.cat(writes) if writes else torch.zeros(0, dtype=torch.long), prefills
+
+    def _group(self, plan: tuple, r: int, positions: torch.Tensor) -> KVGroup:
+        """Group r of a kind: its pages in place of the kind's blocks."""
+        tables, lengths, writes, prefills = plan
+        bs = self.block_size
+        group = KVGroup(self._pages(writes, r) * bs + positions % bs)
+        if tables is not None:
+            group.decode_tables = self._pages(tables, r).contiguous()
+            group.decode_lengths = lengths
+            if self.native is None:  # the native kernels stop at each row's length themselves
+                group.decode_mask = (torch.arange(tables.shape[1] * bs).unsqueeze(0) < lengths.unsqueeze(1))[
+                    :, None, None
+                ]
+        group.prefills = [(a, b, self._pages(t, r), s, e, f) for a, b, t, s, e, f in prefills]
+        return group

@@ -3,7 +3,9 @@
 Each step takes one token of every decoding sequence, then chunks of prefilling ones, then admits waiting
 sequences while the token budget, the batch size and the free blocks allow. When the pool runs out, the newest
 sequence of the lowest priority is preempted (its blocks freed) and recomputed later; its client still gets the whole
-answer. The waiting queue is ordered by priority (SamplingParams.priority, lower first), then arrival: a waiting
+answer. Layers with a sliding window have blocks of their own kind (BlockManager.kinds): a sequence gets them for
+each chunk as it runs, and gives back those its window can no longer see before each step, so a long sequence holds
+window-layer KV for its window only (plus a chunk). The waiting queue is ordered by priority (SamplingParams.priority, lower first), then arrival: a waiting
 sequence of a higher priority is admitted before any lower one, and takes the slot and blocks of running sequences
 of a lower priority (batch work) when there are none free.
 """
@@ -14,7 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from waferscale.engine.block_manager import BlockManager
+from waferscale.engine.block_manager import BlockManager, PrefixHit, window_start
 from waferscale.engine.drafts import draft_tokens
 from waferscale.engine.errors import ErrorKind, RequestError
 from waferscale.engine.params import BATCH_PRIORITY
@@ -51,6 +53,7 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
     ):
         self.blocks = blocks
+        self.kinds = blocks.kinds
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, 1)
@@ -106,14 +109,30 @@ class Scheduler:
         self.running = [s for s in self.running if not s.finished]
 
     def free(self, seq: Sequence) -> None:
-        self.blocks.release(seq.block_table)
-        seq.block_table, seq.block_keys = [], []
+        for table in seq.block_tables:
+            self.blocks.release(table)
+        seq.block_tables, seq.dropped, seq.block_keys = [], [], []
+
+    def _drop_out_of_window(self, seq: Sequence) -> None:
+        """Give back the window kinds' blocks that no row from seq's next position on can see (the cached ones stay
+        in the prefix cache until evicted)."""
+        for k, kind in enumerate(self.kinds):
+            if kind.window is None or not seq.block_tables:
+                continue
+            table = seq.block_tables[k]
+            first, lo = seq.dropped[k], min(window_start(kind, seq.num_computed, self.block_size), len(table))
+            if lo > first:
+                self.blocks.release(table[first:lo])
+                table[first:lo] = [0] * (lo - first)
+                seq.dropped[k] = lo
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
         budget = self.max_num_batched_tokens
         taken: set[int] = set()
+        for seq in self.running:
+            self._drop_out_of_window(seq)
         self._yield_to_waiting()
         decoding = [s for s in self.running if not s.finished and s.remaining == 1 and s.num_generated]
         speculate = self.speculative.enabled and len(decoding) <= self.speculative.max_seqs
@@ -125,8 +144,8 @@ class Scheduler:
             if seq not in self.running:  # preempted while making room for an older sequence
                 continue
             drafts = draft_tokens(seq, budget - 1, self.max_model_len, self.speculative, speculate)
-            if not self._ensure_blocks(seq, len(seq.token_ids) + len(drafts)):
-                continue  # seq itself was preempted
+            if not self._ensure_blocks(seq, len(seq.token_ids) + len(drafts), taken):
+                continue  # seq itself was preempted, or waits for room
             taken.add(id(seq))
             if drafts:  # the last token and the drafts run as one chunk over the cached prefix
                 seq.drafts = drafts
@@ -146,6 +165,9 @@ class Scheduler:
                 later.append(seq)
                 continue
             chunk = min(seq.remaining, budget)
+            if seq not in self.running or not self._ensure_blocks(seq, seq.num_computed + chunk, taken):
+                continue
+            taken.add(id(seq))
             out.prefills.append((seq, chunk))
             budget -= chunk
         self._expire_waiting(out.ended)
@@ -161,7 +183,7 @@ class Scheduler:
             if self._shares_prefix_in_flight(seq, in_flight):
                 deferred.append(self.waiting.popleft())  # admitted once those blocks are cached
                 continue
-            if not self._admit(seq):
+            if not self._admit(seq, budget):
                 break
             self.waiting.popleft()
             if seq.finished:
@@ -169,6 +191,7 @@ class Scheduler:
                 continue
             in_flight.update(seq.prompt_keys[len(seq.block_keys) :])
             self.running.append(seq)
+            taken.add(id(seq))
             chunk = min(seq.remaining, budget)
             out.prefills.append((seq, chunk))
             budget -= chunk
@@ -177,6 +200,9 @@ class Scheduler:
             if budget <= 0:
                 break
             chunk = min(seq.remaining, budget)
+            if seq not in self.running or not self._ensure_blocks(seq, seq.num_computed + chunk, taken):
+                continue
+            taken.add(id(seq))
             out.prefills.append((seq, chunk))
             budget -= chunk
         return out
@@ -230,10 +256,52 @@ class Scheduler:
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether the pool could give seq its blocks now."""
-        needed = -(-len(seq.token_ids) // self.block_size)
-        keys = self._prompt_keys(seq)
-        reused = [] if seq.params.prompt_logprobs else self.blocks.match(keys, seq.token_ids)
-        return self.blocks.can_allocate(needed - len(reused), reused)
+        hit = self._hit(seq)
+        return self.blocks.can_allocate(self._admission_pages(seq, hit, self.max_num_batched_tokens), hit.reused)
+
+    def _hit(self, seq: Sequence) -> PrefixHit:
+        """The cached prefix seq can start from (none when it wants its prompt's logprobs, which need every row)."""
+        if seq.params.prompt_logprobs:
+            return PrefixHit(0, [[] for _ in self.kinds])
+        return self.blocks.hit(self._prompt_keys(seq), seq.token_ids)
+
+    def _targets(self, num_tokens: int, end: int) -> list[int]:
+        """Blocks each kind's table must reach for a sequence of `num_tokens` tokens computed up to `end`: the
+        whole-context kinds hold the whole prompt from admission on, window kinds only what the next chunk writes."""
+        full, upto = -(-num_tokens // self.block_size), -(-end // self.block_size)
+        return [full if kind.window is None else upto for kind in self.kinds]
+
+    def _admission_pages(self, seq: Sequence, hit: PrefixHit, budget: int) -> int:
+        """New pages seq needs to be admitted from `hit` and run its first chunk (at most `budget` tokens)."""
+        start = hit.blocks * self.block_size
+        end = start + min(len(seq.token_ids) - start, budget)
+        targets = self._targets(len(seq.token_ids), end)
+        return sum(
+            max(0, t - len(table)) * kind.pages for t, table, kind in zip(targets, hit.tables, self.kinds)
+        )
+
+    def sequence_pages(self, num_tokens: int) -> int:
+        """The most pages a sequence of `num_tokens` tokens holds at once: every block of the whole-context kinds,
+        and of a window kind what a chunk and the window behind it span."""
+        blocks = -(-num_tokens // self.block_size)
+        pages = 0
+        for kind in self.kinds:
+            held = blocks if kind.window is None else min(blocks, self.window_blocks(kind.window))
+            pages += held * kind.pages
+        return pages
+
+    def window_blocks(self, window: int) -> int:
+        return -(-(window - 1 + self.max_num_batched_tokens) // self.block_size) + 1
+
+    def capacity_tokens(self) -> int | None:
+        """The longest sequence the pool holds (None: any length, where every layer has a window)."""
+        reserve = sum(
+            self.window_blocks(k.window) * k.pages for k in self.kinds if k.window is not None
+        )
+        full = sum(k.pages for k in self.kinds if k.window is None)
+        if not full:
+            return None
+        return max(0, self.blocks.num_blocks - 1 - reserve) // full * self.block_size
 
     def settle_drafts(self, seq: Sequence) -> None:
         """After verification: only the accepted drafts' keys and values count (the rest are overwritten later)."""
@@ -258,9 +326,10 @@ class Scheduler:
             new = self.blocks.block_keys(seq.token_ids[start : full * bs], parent)
             for i, key in enumerate(new):
                 first = start + i * bs
-                self.blocks.register(
-                    seq.block_table[len(seq.block_keys) + i], key, seq.token_ids[first : first + bs]
-                )
+                for table in seq.block_tables:
+                    block = table[len(seq.block_keys) + i]
+                    if block:
+                        self.blocks.register(block, key, seq.token_ids[first : first + bs])
             seq.block_keys += new
 
     # ------------------------------------------------------------------ admission
@@ -297,7 +366,7 @@ class Scheduler:
         if not in_flight or seq.params.prompt_logprobs:
             return False
         keys = self._prompt_keys(seq)
-        cached = len(self.blocks.match(keys, seq.token_ids))
+        cached = self.blocks.hit(keys, seq.token_ids).blocks
         return cached < len(keys) and keys[cached] in in_flight
 
     def _prompt_keys(self, seq: Sequence) -> list[bytes]:
@@ -307,8 +376,9 @@ class Scheduler:
             seq.prompt_keys = self.blocks.block_keys(seq.token_ids[:-1])
         return seq.prompt_keys
 
-    def _admit(self, seq: Sequence) -> bool:
-        """Give a waiting sequence its blocks (reusing cached prefix blocks); False if the pool cannot yet.
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Give a waiting sequence its blocks (reusing cached prefix blocks) for its prompt and first chunk (at most
+        `budget` tokens); False if the pool cannot yet.
 
         A sequence that can never be served, or needs no forward, comes back finished (True)."""
         if seq.params.max_tokens == 0 and not seq.params.prompt_logprobs:
@@ -316,45 +386,62 @@ class Scheduler:
             seq.finish_reason = "length"
             return True
         tokens = seq.token_ids
-        needed = -(-len(tokens) // self.block_size)
         # the last token is always computed (its logits are needed), so only blocks before it may come from cache
         keys = self._prompt_keys(seq)
-        reused = [] if seq.params.prompt_logprobs else self.blocks.match(keys, tokens)
-        if needed > self.blocks.num_blocks - 1 or (
-            not self.running and not self.blocks.can_allocate(needed - len(reused), reused)
+        hit = self._hit(seq)
+        needed = self._admission_pages(seq, hit, budget)
+        if self.sequence_pages(len(tokens)) > self.blocks.num_blocks - 1 or (
+            not self.running and not self.blocks.can_allocate(needed, hit.reused)
         ):
-            capacity = (self.blocks.num_blocks - 1) * self.block_size
+            longest = self.capacity_tokens()
             message = (
-                f"the sequence needs {len(tokens)} tokens of KV cache; this server's cache holds {capacity}: "
-                "send a shorter prompt"
+                f"the sequence needs {len(tokens)} tokens of KV cache; this server's cache holds {longest}: send a "
+                "shorter prompt"
+                if longest
+                else "this server's KV cache is too small for one sliding window and chunk: raise --kv-cache-memory"
             )
             seq.fail(RequestError(ErrorKind.INVALID_REQUEST, message, "prompt"))
             return True
-        if not self.blocks.can_allocate(needed - len(reused), reused):
+        if not self.blocks.can_allocate(needed, hit.reused):
             return False
-        for b in reused:
+        for b in hit.reused:
             self.blocks.acquire(b)
-        seq.block_table = reused + [self.blocks.allocate() for _ in range(needed - len(reused))]
-        seq.block_keys = keys[: len(reused)]
-        seq.num_computed = len(reused) * self.block_size
+        bs = self.block_size
+        seq.block_tables = [list(t) for t in hit.tables]
+        seq.dropped = [window_start(kind, hit.blocks * bs, bs) for kind in self.kinds]
+        seq.block_keys = keys[: hit.blocks]
+        seq.num_computed = hit.blocks * bs
+        end = seq.num_computed + min(seq.remaining, budget)
+        for k, target in enumerate(self._targets(len(tokens), end)):
+            table = seq.block_tables[k]
+            table += [self.blocks.allocate(k) for _ in range(target - len(table))]
         if not seq.admitted_once:
             if not seq.params.prompt_logprobs:
-                self.blocks.count_lookup(len(keys), len(reused))
+                self.blocks.count_lookup(len(keys), hit.blocks)
             seq.num_cached = seq.num_computed
             seq.scheduled_at = time.perf_counter()
             seq.admitted_once = True
         return True
 
-    def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make room for `num_tokens` in seq's blocks, preempting the newest sequences if needed."""
-        while len(seq.block_table) * self.block_size < num_tokens:
-            if self.blocks.num_available == 0:
-                victim = self._victim()
-                self._preempt(victim)
-                if victim is seq:
-                    return False
-                continue
-            seq.block_table.append(self.blocks.allocate())
+    def _ensure_blocks(self, seq: Sequence, num_tokens: int, taken: set[int]) -> bool:
+        """Make room for `num_tokens` in seq's tables, preempting the newest sequences not yet scheduled in this step
+        if needed; False if seq was preempted itself or must wait (the only candidates are already scheduled)."""
+        targets = self._targets(num_tokens, num_tokens)
+        while True:
+            need = sum(
+                max(0, t - len(table)) * kind.pages
+                for t, table, kind in zip(targets, seq.block_tables, self.kinds)
+            )
+            if need <= self.blocks.num_available:
+                break
+            victim = self._victim()
+            if victim is None or (victim is not seq and id(victim) in taken):
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        for k, table in enumerate(seq.block_tables):
+            table += [self.blocks.allocate(k) for _ in range(targets[k] - len(table))]
         return True
 
     def _preempt(self, seq: Sequence) -> None:

@@ -29,7 +29,10 @@ class Sequence:
     output_counts: dict[int, int] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    # one block table per kind of layer (BlockManager.kinds); a window kind's entries that no window sees any more
+    # are 0 (the null page), the first `dropped[kind]` of them
+    block_tables: list[list[int]] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of the full blocks computed so far
     prompt_keys: list[bytes] | None = (
         None  # keys of every full block before the last token (set at admission)
@@ -59,6 +62,11 @@ class Sequence:
 
     def fail(self, error: RequestError) -> None:
         self.finish_reason, self.error = "error", error
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first kind's table (the whole-context layers' where the model has any)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def finished(self) -> bool:

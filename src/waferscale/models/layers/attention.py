@@ -13,43 +13,46 @@ from waferscale.models.layers.linear import Linear
 from waferscale.models.layers.rotary import apply_rope
 
 
-def _window_starts(plan, window: int | None) -> torch.Tensor | None:
-    """The first position each decode row attends to under a window (None: all from 0)."""
+def _window_starts(group, window: int | None) -> torch.Tensor | None:
+    """The first position (from the table's start) each decode row attends to under a window (None: all)."""
     if window is None:
         return None
     key = ("starts", window)
-    starts = plan.cache.get(key)
+    starts = group.cache.get(key)
     if starts is None:
-        starts = plan.cache[key] = (plan.decode_lengths - window).clamp(min=0)
+        starts = group.cache[key] = (group.decode_lengths - window).clamp(min=0)
     return starts
 
 
-def _decode_mask(plan, window: int | None, width: int) -> torch.Tensor:
+def _decode_mask(group, window: int | None, width: int) -> torch.Tensor:
     """Boolean [B, 1, 1, width] of the positions each decode row sees (its length, and its window)."""
     key = ("decode_mask", window)
-    mask = plan.cache.get(key)
+    mask = group.cache.get(key)
     if mask is None:
         pos = torch.arange(width).unsqueeze(0)
-        allowed = pos < plan.decode_lengths.unsqueeze(1)
+        allowed = pos < group.decode_lengths.unsqueeze(1)
         if window is not None:
-            allowed &= pos >= _window_starts(plan, window).unsqueeze(1)
-        mask = plan.cache[key] = allowed[:, None, None]
+            allowed &= pos >= _window_starts(group, window).unsqueeze(1)
+        mask = group.cache[key] = allowed[:, None, None]
     return mask
 
 
-def _prefill_mask(plan, n: int, start: int, rows: int, length: int, window: int | None, dtype) -> torch.Tensor | None:
-    """Additive mask (0 or -inf) of prefill chunk n's rows over its context; None where plain causal does."""
+def _prefill_mask(
+    group, n: int, start: int, rows: int, length: int, first: int, window: int | None, dtype
+) -> torch.Tensor | None:
+    """Additive mask (0 or -inf) of prefill chunk n's rows over its context from position `first`; None where
+    plain causal does."""
     if not start and window is None:
         return None
     key = ("prefill_mask", n, window)
-    mask = plan.cache.get(key)
+    mask = group.cache.get(key)
     if mask is None:
         row_pos = torch.arange(start, start + rows).unsqueeze(1)
-        pos = torch.arange(length).unsqueeze(0)
+        pos = torch.arange(first, length).unsqueeze(0)
         allowed = pos <= row_pos
         if window is not None:
             allowed &= pos > row_pos - window
-        mask = plan.cache[key] = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        mask = group.cache[key] = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     return mask
 
 
@@ -81,9 +84,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's keys and values to their slots, then attend each row over its context (and window)."""
     pool = plan.pool
-    kc, vc = pool.k[layer], pool.v[layer]
-    kc.index_copy_(0, plan.slots, k.to(kc.dtype))
-    vc.index_copy_(0, plan.slots, v.to(vc.dtype))
+    group, kc, vc = plan.layer(layer)
+    kc.index_copy_(0, group.slots, k.to(kc.dtype))
+    vc.index_copy_(0, group.slots, v.to(vc.dtype))
     # whole blocks are gathered with index_select (contiguous rows): an order of magnitude faster than advanced
     # indexing, which copies element by element
     kb = kc.view(-1, pool.block_size * kc.shape[1] * kc.shape[2])
@@ -99,37 +102,39 @@ def paged_attention(
             q[:b].float().contiguous(),
             kc,
             vc,
-            plan.decode_tables,
-            plan.decode_lengths,
+            group.decode_tables,
+            group.decode_lengths,
             scale,
             pool.block_size,
-            starts=_window_starts(plan, window),
+            starts=_window_starts(group, window),
             sinks=None if sinks is None else sinks.float().contiguous(),
         )
         out[:b] = o.to(out.dtype)
     elif b:
-        tables = plan.decode_tables
+        tables = group.decode_tables
         shape = (b, -1, heads, dim)
         keys = kb.index_select(0, tables.flatten()).view(shape).transpose(1, 2)  # [B, kv_heads, L, head_dim]
         values = vb.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
-        if window is None and sinks is None and plan.decode_mask is not None:
-            mask = plan.decode_mask
+        if window is None and sinks is None and group.decode_mask is not None:
+            mask = group.decode_mask
         else:
-            mask = _decode_mask(plan, window, keys.shape[2])
+            mask = _decode_mask(group, window, keys.shape[2])
         qd = q[:b].unsqueeze(2)
         if sinks is not None:
             o = _attend_with_sinks(qd, keys, values, mask, scale, sinks, gqa)
         else:
             o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[:b] = o.squeeze(2)
-    for n, (start_row, end_row, table, start_pos, length) in enumerate(plan.prefills):
-        keys = kb.index_select(0, table).view(-1, heads, dim)[:length].transpose(0, 1).unsqueeze(0)
-        values = vb.index_select(0, table).view(-1, heads, dim)[:length].transpose(0, 1).unsqueeze(0)
-        mask = _prefill_mask(plan, n, start_pos, end_row - start_row, length, window, kc.dtype)
+    for n, (start_row, end_row, table, start_pos, length, *rest) in enumerate(group.prefills):
+        first = rest[0] if rest else 0  # the position of the table's first page
+        keys = kb.index_select(0, table).view(-1, heads, dim)[: length - first].transpose(0, 1).unsqueeze(0)
+        values = vb.index_select(0, table).view(-1, heads, dim)[: length - first].transpose(0, 1).unsqueeze(0)
+        rows = end_row - start_row
+        mask = _prefill_mask(group, n, start_pos, rows, length, first, window, kc.dtype)
         qp = q[start_row:end_row].transpose(0, 1).unsqueeze(0)
         if sinks is not None:
             if mask is None:
-                mask = _prefill_mask(plan, n, start_pos, end_row - start_row, length, 1 << 62, kc.dtype)
+                mask = _prefill_mask(group, n, start_pos, rows, length, first, 1 << 62, kc.dtype)
             o = _attend_with_sinks(qp, keys, values, mask, scale, sinks, gqa)
         else:
             o = F.scaled_dot_product_attention(
@@ -140,10 +145,10 @@ def paged_attention(
 
 
 def _decode_args(plan, layer: int, rope: tuple[torch.Tensor, torch.Tensor], rows: int) -> tuple:
-    """What the native decode calls take after their own input: rope rows, the layer's caches, the plan."""
+    """What the native decode calls take after their own input: rope rows, the layer's caches, slots and tables."""
     cos, sin = rope
-    pool = plan.pool
-    return (cos.reshape(rows, -1), sin.reshape(rows, -1), pool.k[layer], pool.v[layer], plan.slots)
+    group, kc, vc = plan.layer(layer)
+    return (cos.reshape(rows, -1), sin.reshape(rows, -1), kc, vc, group.slots, group.decode_tables, group.decode_lengths)
 
 
 def fused_decode_attention(plan, layer: int, qkv: torch.Tensor, rope, num_heads: int, scale: float) -> torch.Tensor:
@@ -152,8 +157,6 @@ def fused_decode_attention(plan, layer: int, qkv: torch.Tensor, rope, num_heads:
     return plan.native.decode_attention_bf16(
         qkv.contiguous(),
         *_decode_args(plan, layer, rope, qkv.shape[0]),
-        plan.decode_tables,
-        plan.decode_lengths,
         num_heads,
         scale,
         plan.pool.block_size,
@@ -167,8 +170,6 @@ def fused_decode_layer(plan, layer: int, h: torch.Tensor, rope, weights, num_hea
         h,
         weights,
         *_decode_args(plan, layer, rope, h.shape[0]),
-        plan.decode_tables,
-        plan.decode_lengths,
         num_heads,
         scale,
         plan.pool.block_size,
