@@ -122,3 +122,187 @@ def test_a_sequence_decodes_the_same_alone_and_among_others(gpt_oss):
     together = _ours(ours, [target, *[_prompt(10 + 13 * i) for i in range(5)]])[0]
     assert together[0] == alone[0]
     assert max(abs(a - b) for a, b in zip(together[1], alone[1])) < 1e-5
+
+
+# ---------------------------------------------------------------- MXFP4 blocks
+
+
+def _reference_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """transformers' dequantization of released-layout blocks [..., G, 16] (integrations/mxfp4.py), [..., G * 32]."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    lo, hi = lut[(blocks & 15).long()], lut[(blocks >> 4).long()]
+    out = torch.stack([lo, hi], dim=-1).flatten(-2)  # byte j: weights 2j, 2j + 1
+    out = torch.ldexp(out, (scales.to(torch.int32) - 127).unsqueeze(-1))
+    return out.flatten(-2)
+
+
+def _random_blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(118, 130, (n, k // 32), generator=g, dtype=torch.uint8)
+    scales[0, 0], scales[-1, -1] = 1, 0  # subnormal scales too (2^-126, 2^-127)
+    return blocks, scales
+
+
+def test_mxfp4_layout_dequantizes_as_transformers():
+    from waferscale.models.quant.mxfp4 import Mxfp4Weight
+
+    blocks, scales = _random_blocks(24, 96, seed=1)
+    w = Mxfp4Weight.from_blocks(blocks, scales, interleaved=True)
+    assert torch.equal(w.dequantize(), _reference_mxfp4(blocks, scales))
+    assert torch.equal(w.take_rows(slice(1, None, 2)).dequantize(), _reference_mxfp4(blocks, scales)[1::2])
+
+
+def test_mxfp4_quantizer_round_trips_in_both_nibble_orders():
+    """quantize_mxfp4 (the tests' reference quantizer) picks values the layout gives back, in either order."""
+    from waferscale.models.quant.mxfp4 import quantize_mxfp4
+
+    w = torch.randn(16, 128) * 0.1
+    a, b = quantize_mxfp4(w, interleaved=True), quantize_mxfp4(w, interleaved=False)
+    assert torch.equal(a.dequantize(), b.dequantize())
+    assert ((a.dequantize() - w).norm() / w.norm()) < 0.2  # 4-bit floats: about 10% error
+    assert torch.equal(quantize_mxfp4(a.dequantize(), interleaved=True).dequantize(), a.dequantize())
+
+
+@pytest.mark.parametrize("mode", ["native", "portable"])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_mxfp4_kernel_matches_a_float_reference(tmp_path, monkeypatch, mode, interleaved):
+    """The native kernel on random blocks against the same weights dequantized, for 1 row (a decode step's dot
+    product), 3, 8 and 37 rows, with a bias and as columns of a wider output; the AVX2 build and the plain-C one
+    (WAFERSCALE_NATIVE_KERNELS=portable, as on a CPU without AVX2)."""
+    from waferscale import kernels
+    from waferscale.models.quant.mxfp4 import Mxfp4Weight, quantize_mxfp4
+
+    monkeypatch.setenv("WAFERSCALE_NATIVE_KERNELS", "1" if mode == "native" else mode)
+    monkeypatch.setattr(kernels, "_loaded", {})
+    native = kernels.load()
+    if native is None:
+        pytest.skip("native kernels could not be built here")
+    blocks, scales = _random_blocks(40, 256, seed=2)
+    w = Mxfp4Weight.from_blocks(blocks, scales, interleaved=True)
+    if not interleaved:  # the same values in GGUF's nibble order
+        w = quantize_mxfp4(w.dequantize(), interleaved=False)
+        assert torch.equal(w.dequantize(), _reference_mxfp4(blocks, scales))
+    dense = _reference_mxfp4(blocks, scales).double()
+    bias = torch.randn(40)
+    for rows in (1, 3, 8, 37):
+        x = torch.randn(rows, 256)
+        out = torch.full((rows, 50), 7.0)
+        native.mxfp4_gemm(x, w, out[:, 5:45], bias)
+        want = (x.double() @ dense.T + bias.double()).float()
+        torch.testing.assert_close(out[:, 5:45], want, rtol=1e-5, atol=1e-4)
+        assert (out[:, :5] == 7).all() and (out[:, 45:] == 7).all()
+
+
+def _save_as_mxfp4(ref, folder) -> None:
+    """Rewrite a saved folder's experts in the released layout (`*_blocks` [E, N, K / 32, 16], `*_scales`
+    [E, N, K / 32], rows as the checkpoints order them: gate/up interleaved), and set transformers' experts to the
+    dequantized values, so that both sides hold the same weights."""
+    from safetensors.torch import load_file, save_file
+
+    from waferscale.models.quant.mxfp4 import quantize_mxfp4
+
+    path = next(folder.glob("*.safetensors"))
+    state = load_file(str(path))
+    for i, layer in enumerate(ref.model.layers):
+        experts = layer.mlp.experts
+        for proj in ("gate_up_proj", "down_proj"):
+            param = getattr(experts, proj)  # [E, K, N]
+            blocks, scales, values = [], [], []
+            for e in range(param.shape[0]):
+                w = quantize_mxfp4(param[e].detach().T, interleaved=True)  # [N, K]: N the outputs
+                blocks.append(w.qweight.view(w.out_features, -1, 16))
+                scales.append(w.scales)
+                values.append(w.dequantize().T)
+            with torch.no_grad():
+                param.copy_(torch.stack(values))
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            del state[name]
+            state[f"{name}_blocks"], state[f"{name}_scales"] = torch.stack(blocks), torch.stack(scales)
+    save_file(state, str(path), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory, hf_tokenizer):
+    """(transformers' tiny random gpt-oss with MXFP4-rounded experts, its folder in the released MXFP4 layout)."""
+    ref, folder = _make(tmp_path_factory, hf_tokenizer, 1, "gpt-oss-mxfp4")
+    _save_as_mxfp4(ref, folder)
+    return ref, folder
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dequantized(gpt_oss_mxfp4, tmp_path_factory, hf_tokenizer):
+    """The same model with its experts' MXFP4 values stored as float (transformers' layout)."""
+    ref, _ = gpt_oss_mxfp4
+    folder = tmp_path_factory.mktemp("gpt-oss-dequantized")
+    ref.save_pretrained(folder, safe_serialization=True)
+    hf_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("length", [6, 60, 280])
+def test_mxfp4_checkpoint_at_float32_matches_transformers(gpt_oss_mxfp4, length):
+    """The float32 exact path dequantizes the blocks: the same tokens as transformers on the same values."""
+    ref, folder = gpt_oss_mxfp4
+    ours = _loaded(folder, "float32")
+    ids = _prompt(length)
+    (tokens, logprobs), = _ours(ours, [ids])
+    want_tokens, want_logprobs = _theirs(ref, ids)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 5e-3
+
+
+_LOADED: dict = {}
+
+
+def _loaded(folder, dtype: str):
+    key = (str(folder), dtype)
+    if key not in _LOADED:
+        _LOADED[key] = load_model(folder, dtype=dtype, progress=False)
+    return _LOADED[key]
+
+
+def test_mxfp4_experts_are_served_from_their_blocks_in_bf16(gpt_oss_mxfp4, gpt_oss_dequantized):
+    """In bf16 the experts keep their blocks (no float weight beside them); a sparse layer's output tracks the
+    float32 one's, and the logits are those of the same values held as bf16 weights."""
+    from test_models import our_logits
+
+    from waferscale.models.quant.mxfp4 import Mxfp4Weight
+
+    _, folder = gpt_oss_mxfp4
+    served, exact = _loaded(folder, "bfloat16"), _loaded(folder, "float32")
+    assert served.quantization == "quantized"
+    for layer in served.model.layers:
+        for expert in layer.mlp.experts:
+            for proj in (expert.gate_up_proj, expert.down_proj):
+                assert proj.weight is None and isinstance(proj.quant, QuantLinear)
+                assert all(isinstance(p, Mxfp4Weight) for p in proj.quant.parts)
+    blocks = served.model.layers[0].mlp.experts[0].gate_up_proj.quant.parts[0]
+    assert blocks.nbytes() == 2 * 64 * (64 // 2 + 64 // 32)  # 17 bytes a block of 32: 0.53 bytes a weight
+    x = torch.randn(40, 64)
+    got, want = served.model.layers[0].mlp(x.bfloat16()).float(), exact.model.layers[0].mlp(x)
+    assert ((got - want).norm() / want.norm()) < 0.02  # bf16 activations: 0.007 here
+    ids = _prompt(60)
+    dense = _loaded(gpt_oss_dequantized, "bfloat16")
+    assert dense.model.layers[0].mlp.experts[0].down_proj.quant is None
+    got, want = our_logits(served, ids), our_logits(dense, ids)
+    assert ((got - want).norm() / want.norm()) < 0.01
+    (tokens, _), = _ours(served, [ids])
+    assert len(tokens) == 8
+
+
+def test_mxfp4_without_native_kernels_dequantizes_a_tile_at_a_time():
+    """Where the kernels cannot be built, PyTorch multiplies the blocks a tile at a time (no float copy kept)."""
+    from waferscale.models.quant.mxfp4 import Mxfp4Weight
+
+    blocks, scales = _random_blocks(40, 256, seed=3)
+    layer = QuantLinear([Mxfp4Weight.from_blocks(blocks, scales, interleaved=True)], torch.randn(40))
+    assert layer.native is None
+    x = torch.randn(5, 256)
+    want = x.double() @ _reference_mxfp4(blocks, scales).double().T + layer.bias.double()
+    torch.testing.assert_close(layer(x), want.float(), rtol=1e-5, atol=1e-4)
