@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from test_families import _ours, _prompt, _theirs
 
-from waferscale.models import load_model
+from waferscale.models import builtin_model_path, load_model
+from waferscale.models.gguf_file import read_gguf_file
 from waferscale.models.layers.moe import SparseMoE
 from waferscale.models.quant import QuantLinear
 
@@ -58,11 +61,11 @@ def _randomize(model) -> None:
                 p.normal_(0.0, 0.2)
 
 
-def _make(tmp_path_factory, hf_tokenizer, seed: int, name: str):
+def _make(tmp_path_factory, hf_tokenizer, seed: int, name: str, **overrides):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    ref = AutoModelForCausalLM.from_config(_gpt_oss_config(), dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_config(_gpt_oss_config(**overrides), dtype=torch.float32).eval()
     ref.config._attn_implementation = "eager"
     _randomize(ref)
     folder = tmp_path_factory.mktemp(name)
@@ -229,8 +232,9 @@ def _save_as_mxfp4(ref, folder) -> None:
 
 @pytest.fixture(scope="module")
 def gpt_oss_mxfp4(tmp_path_factory, hf_tokenizer):
-    """(transformers' tiny random gpt-oss with MXFP4-rounded experts, its folder in the released MXFP4 layout)."""
-    ref, folder = _make(tmp_path_factory, hf_tokenizer, 1, "gpt-oss-mxfp4")
+    """(transformers' tiny random gpt-oss with MXFP4-rounded experts, its folder in the released MXFP4 layout);
+    the SwiGLU limit the released one's (GGUF files do not carry it: llama.cpp fixes it at 7)."""
+    ref, folder = _make(tmp_path_factory, hf_tokenizer, 1, "gpt-oss-mxfp4", swiglu_limit=7.0)
     _save_as_mxfp4(ref, folder)
     return ref, folder
 
@@ -245,12 +249,11 @@ def gpt_oss_dequantized(gpt_oss_mxfp4, tmp_path_factory, hf_tokenizer):
     return folder
 
 
-@pytest.mark.parametrize("length", [6, 60, 280])
-def test_mxfp4_checkpoint_at_float32_matches_transformers(gpt_oss_mxfp4, length):
+def test_mxfp4_checkpoint_at_float32_matches_transformers(gpt_oss_mxfp4):
     """The float32 exact path dequantizes the blocks: the same tokens as transformers on the same values."""
     ref, folder = gpt_oss_mxfp4
     ours = _loaded(folder, "float32")
-    ids = _prompt(length)
+    ids = _prompt(280)
     (tokens, logprobs), = _ours(ours, [ids])
     want_tokens, want_logprobs = _theirs(ref, ids)
     assert tokens == want_tokens
@@ -306,3 +309,122 @@ def test_mxfp4_without_native_kernels_dequantizes_a_tile_at_a_time():
     x = torch.randn(5, 256)
     want = x.double() @ _reference_mxfp4(blocks, scales).double().T + layer.bias.double()
     torch.testing.assert_close(layer(x), want.float(), rtol=1e-5, atol=1e-4)
+
+
+# ---------------------------------------------------------------- GGUF gpt-oss
+
+
+def _write_gpt_oss_gguf(path, ref) -> None:
+    """A `gpt-oss` GGUF as llama.cpp's convert_hf_to_gguf.py writes one, of transformers' model: gate and up split
+    out of the interleaved stack, experts as MXFP4 blocks (type 39, GGUF's nibble order) with biases stacked
+    [E, N]; the rest F32; YaRN and the window in the metadata; the built-in model's tokenizer."""
+    from waferscale.models.quant.mxfp4 import quantize_mxfp4
+
+    cfg = ref.config
+    src = read_gguf_file(builtin_model_path())
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    for key, value in src.metadata.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, value, *src.value_types[key])
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    writer.add_expert_count(cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_vocab_size(cfg.vocab_size)
+
+    def f32(t: torch.Tensor) -> np.ndarray:
+        return t.detach().float().numpy().copy()
+
+    def mxfp4(stack: torch.Tensor) -> np.ndarray:
+        """[E, N, K] floats (MXFP4 values already) as GGUF MXFP4 rows: per block its e8m0 byte, then 16 bytes."""
+        rows = []
+        for w in stack:
+            q = quantize_mxfp4(w, interleaved=False)
+            assert torch.equal(q.dequantize(), w)
+            rows.append(torch.cat([q.scales.unsqueeze(-1), q.qweight.view(w.shape[0], -1, 16)], -1).flatten(1))
+        return torch.stack(rows).numpy()
+
+    state = ref.state_dict()
+    writer.add_tensor("token_embd.weight", f32(state["model.embed_tokens.weight"]))
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.router": "ffn_gate_inp"}
+    for i in range(cfg.num_hidden_layers):
+        hf = f"model.layers.{i}"
+        for ours, theirs in names.items():
+            for suffix in ("weight", "bias"):
+                if f"{hf}.{ours}.{suffix}" in state:
+                    writer.add_tensor(f"blk.{i}.{theirs}.{suffix}", f32(state[f"{hf}.{ours}.{suffix}"]))
+        writer.add_tensor(f"blk.{i}.attn_sinks.weight", f32(state[f"{hf}.self_attn.sinks"]))
+        gate_up = state[f"{hf}.mlp.experts.gate_up_proj"].transpose(1, 2)  # [E, 2I, H]
+        gate_up_bias = state[f"{hf}.mlp.experts.gate_up_proj_bias"]
+        stacks = {"ffn_gate_exps": (gate_up[:, 0::2], gate_up_bias[:, 0::2]),
+                  "ffn_up_exps": (gate_up[:, 1::2], gate_up_bias[:, 1::2]),
+                  "ffn_down_exps": (state[f"{hf}.mlp.experts.down_proj"].transpose(1, 2),
+                                    state[f"{hf}.mlp.experts.down_proj_bias"])}
+        for name, (weight, bias) in stacks.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", mxfp4(weight), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            writer.add_tensor(f"blk.{i}.{name}.bias", f32(bias))
+    writer.add_tensor("output_norm.weight", f32(state["model.norm.weight"]))
+    writer.add_tensor("output.weight", f32(state["lm_head.weight"]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_gguf(gpt_oss_mxfp4, tmp_path_factory):
+    ref, _ = gpt_oss_mxfp4
+    path = tmp_path_factory.mktemp("gpt-oss-gguf") / "tiny-gpt-oss.gguf"
+    _write_gpt_oss_gguf(path, ref)
+    return path
+
+
+def test_gguf_at_float32_matches_transformers(gpt_oss_mxfp4, gpt_oss_gguf, tmp_path, monkeypatch):
+    """llama.cpp's names, MXFP4 blocks (dequantized: the exact path), YaRN and the window read from the file."""
+    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    ref, _ = gpt_oss_mxfp4
+    ours = load_model(gpt_oss_gguf, dtype="float32", progress=False)
+    cfg = ours.config
+    assert cfg.family == "gpt_oss" and cfg.num_experts == EXPERTS and cfg.rope_scaling["truncate"] is False
+    assert [cfg.window(i) for i in range(4)] == [WINDOW, None, WINDOW, None]
+    ids = _prompt(60)
+    (tokens, logprobs), = _ours(ours, [ids])
+    want_tokens, want_logprobs = _theirs(ref, ids)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 5e-3
+
+
+def test_gguf_mxfp4_experts_serve_as_the_folder_does(gpt_oss_mxfp4, gpt_oss_gguf, tmp_path, monkeypatch):
+    """In bf16 the GGUF's experts are served from their MXFP4 blocks (GGUF's nibble order), with the tokens and
+    logits of the same model's released-layout folder."""
+    from test_models import our_logits
+
+    from waferscale.models.quant.mxfp4 import Mxfp4Weight
+
+    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    _, folder = gpt_oss_mxfp4
+    served = load_model(gpt_oss_gguf, dtype="bfloat16", progress=False)
+    assert served.quantization == "gguf"
+    part = served.model.layers[1].mlp.experts[5].down_proj.quant.parts[0]
+    assert isinstance(part, Mxfp4Weight) and not part.interleaved
+    same = _loaded(folder, "bfloat16")
+    ids = _prompt(60)
+    assert _ours(served, [ids])[0][0] == _ours(same, [ids])[0][0]
+    got, want = our_logits(served, ids), our_logits(same, ids)
+    assert ((got - want).norm() / want.norm()) < 1e-3

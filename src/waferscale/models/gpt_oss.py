@@ -15,6 +15,7 @@ from waferscale.models.layers.moe import TOPK_SOFTMAX, Routing, SparseMoE
 from waferscale.models.layers.norm import RMSNorm
 from waferscale.models.quant import QuantWeight
 
+_STACKED_BIASES = (".mlp.experts.gate_proj.bias", ".mlp.experts.up_proj.bias", ".mlp.experts.down_proj.bias")
 SWIGLU_ALPHA = 1.702  # fixed in the released model (config.json's swiglu_alpha where transformers writes one)
 
 
@@ -77,6 +78,12 @@ def split_gpt_oss_experts(tensors: dict, num_experts: int, dtype: torch.dtype) -
 
     for name in [k for k in tensors if ".mlp.router." in k]:
         tensors[name.replace(".mlp.router.", ".mlp.gate.")] = tensors.pop(name)
+    for name in [k for k in tensors if k.endswith(".self_attn.sinks.weight")]:  # as GGUF names them
+        tensors[name.removesuffix(".weight")] = tensors.pop(name)
+    for name in [k for k in tensors if k.endswith(_STACKED_BIASES)]:
+        prefix, _, tail = name.partition(".mlp.experts.")
+        for j, b in enumerate(tensors.pop(name).unbind(0)):  # GGUF's stacked expert biases [E, N]
+            tensors[f"{prefix}.mlp.experts.{j}.{tail}"] = b
     for name in [k for k in tensors if k.endswith(".mlp.experts.down_proj_blocks")]:
         prefix = name.removesuffix("_blocks")
         for proj in ("gate_up_proj", "down_proj"):
@@ -85,24 +92,24 @@ def split_gpt_oss_experts(tensors: dict, num_experts: int, dtype: torch.dtype) -
             if blocks.shape[0] != num_experts:
                 raise ValueError(f"{stem}_blocks holds {blocks.shape[0]} experts, the config says {num_experts}")
             stack = Mxfp4Weight.from_blocks(blocks, scales, interleaved=True)  # [E * N, K]
-            tensors[stem] = stack.dequantize().view(num_experts, stack.out_features // num_experts, -1).to(
-                dtype
-            ).transpose(1, 2) if dtype == torch.float32 else stack
+            if dtype == torch.float32:  # the exact path: float [E, K, N], as transformers holds them
+                stack = stack.dequantize().view(num_experts, stack.out_features // num_experts, -1).transpose(1, 2)
+            tensors[stem] = stack
     for name in [k for k in tensors if k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
         prefix, _, proj = name.rpartition(".")
         stack, bias = tensors.pop(name), tensors.pop(f"{name}_bias")
         per = _per_expert(stack, num_experts)
         for j in range(num_experts):
+            w = per[j]
             if proj == "gate_up_proj":  # gate is every even output, up every odd one
-                w = per[j]
-                gate, up = (w.take_rows(slice(i, None, 2)) for i in (0, 1)) if isinstance(w, QuantWeight) else (
-                    w[:, 0::2].T, w[:, 1::2].T
-                )
+                if isinstance(w, QuantWeight):
+                    gate, up = w.take_rows(slice(0, None, 2)), w.take_rows(slice(1, None, 2))
+                else:
+                    gate, up = w[:, 0::2].T, w[:, 1::2].T
                 tensors[f"{prefix}.{j}.gate_proj.weight"], tensors[f"{prefix}.{j}.up_proj.weight"] = gate, up
                 tensors[f"{prefix}.{j}.gate_proj.bias"] = bias[j, 0::2]
                 tensors[f"{prefix}.{j}.up_proj.bias"] = bias[j, 1::2]
             else:
-                w = per[j]
                 tensors[f"{prefix}.{j}.down_proj.weight"] = w if isinstance(w, QuantWeight) else w.T
                 tensors[f"{prefix}.{j}.down_proj.bias"] = bias[j]
 

@@ -80,6 +80,26 @@ def _gpt_oss_hf(cfg, raw: dict[str, Any]) -> None:
         cfg.layer_types = raw.get("layer_types") or gpt_oss_pattern(cfg.num_layers)
 
 
+def _gpt_oss_gguf(cfg, meta) -> None:
+    """llama.cpp's gpt-oss: every layer sparse, even layers sliding (its swa pattern 2), the clamped SwiGLU at
+    llama.cpp's fixed limit 7 and alpha 1.702, and YaRN without truncated correction dims (as the model and
+    transformers compute it)."""
+    cfg.num_experts = meta("expert_count", 0)
+    cfg.num_experts_per_tok = meta("expert_used_count", 0)
+    cfg.moe_intermediate_size = meta("expert_feed_forward_length", None) or cfg.intermediate_size
+    if not cfg.num_experts or not cfg.num_experts_per_tok:
+        raise ValueError("a gpt-oss GGUF needs expert_count and expert_used_count")
+    cfg.hidden_act = "swiglu_clamped"
+    cfg.attention_bias = True
+    cfg.extra.update(swiglu_limit=7.0, swiglu_alpha=1.702)
+    window = meta("attention.sliding_window", None)
+    if window:
+        cfg.sliding_window = window
+        cfg.layer_types = gpt_oss_pattern(cfg.num_layers)
+    if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "yarn":
+        cfg.rope_scaling["truncate"] = False
+
+
 def gpt_oss_pattern(num_layers: int) -> list[str]:
     """gpt-oss's interleaving: sliding, full, sliding, full, ..."""
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
@@ -124,10 +144,6 @@ def _llama_gguf(cfg, meta) -> None:
         cfg.layer_types = layer_types_from({}, cfg.num_layers, window)
 
 
-def _no_gguf(cfg, meta) -> None:
-    raise ValueError(f"{cfg.architecture} is not read from GGUF files")
-
-
 @dataclass(frozen=True)
 class Family:
     """One model family: its model class ('module:Class'), the names it answers to, and how it reads configs."""
@@ -163,7 +179,9 @@ FAMILIES: tuple[Family, ...] = (
            gguf_norm_offset=-1.0),
     Family("qwen3_moe", "waferscale.models.qwen3_moe:Qwen3MoeForCausalLM", ("qwen3_moe",), ("qwen3moe",),
            _qwen3_moe_hf, _qwen3_moe_gguf, gguf_tensors={**_QK_NORMS, **_EXPERTS}),
-    Family("gpt_oss", "waferscale.models.gpt_oss:GptOssForCausalLM", ("gpt_oss",), (), _gpt_oss_hf, _no_gguf),
+    Family("gpt_oss", "waferscale.models.gpt_oss:GptOssForCausalLM", ("gpt_oss",), ("gpt-oss",), _gpt_oss_hf,
+           _gpt_oss_gguf,
+           gguf_tensors={**_EXPERTS, "attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm"}),
 )
 
 

@@ -18,6 +18,7 @@ from waferscale.models.quant.layouts import QuantWeight
 
 # the e2m1 values doubled, by nibble (sign in the high bit), as ggml's kvalues_mxfp4
 KVALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int32)
+_MIDPOINTS = torch.tensor([0.5, 1.5, 2.5, 3.5, 5.0, 7.0, 10.0])  # between neighbouring doubled magnitudes
 BLOCK = 32
 MXFP4_KIND = {False: 1, True: 2}  # qlayout's 4th entry: GGUF's nibble order, the checkpoints' interleaved one
 
@@ -96,7 +97,9 @@ def quantize_mxfp4(weight: torch.Tensor, interleaved: bool = False) -> Mxfp4Weig
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)  # 2^exp: the block's scale
     e = (exp + 127).to(torch.int32)
     scaled = w * 2.0 * torch.exp2(-exp).unsqueeze(-1)  # in doubled units, within -12..12
-    nibble = (scaled.unsqueeze(-1) - KVALUES.float()).abs().argmin(-1).to(torch.uint8)  # first nearest: +0 for 0
+    # the nearest magnitude of 0, 1, 2, 3, 4, 6, 8, 12 (a tie to the smaller), its sign in bit 3 (none for 0)
+    magnitude = torch.bucketize(scaled.abs().contiguous(), _MIDPOINTS)
+    nibble = (magnitude + 8 * ((scaled < 0) & (magnitude > 0))).to(torch.uint8)
     if interleaved:  # byte j: weights 2j, 2j + 1
         pairs = nibble.view(n, -1, 16, 2)
         q = pairs[..., 0] | (pairs[..., 1] << 4)
