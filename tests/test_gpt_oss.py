@@ -193,7 +193,7 @@ def test_mxfp4_kernel_matches_a_float_reference(tmp_path, monkeypatch, mode, int
     for rows in (1, 3, 8, 37):
         x = torch.randn(rows, 256)
         out = torch.full((rows, 50), 7.0)
-        native.mxfp4_gemm(x, w, out[:, 5:45], bias)
+        native.mxfp4_gemm(x, w, out[:, 5:45], bias, act=0)
         want = (x.double() @ dense.T + bias.double()).float()
         torch.testing.assert_close(out[:, 5:45], want, rtol=1e-5, atol=1e-4)
         assert (out[:, :5] == 7).all() and (out[:, 45:] == 7).all()
@@ -270,11 +270,13 @@ def _loaded(folder, dtype: str):
     return _LOADED[key]
 
 
-def test_mxfp4_experts_are_served_from_their_blocks_in_bf16(gpt_oss_mxfp4, gpt_oss_dequantized):
+def test_mxfp4_experts_are_served_from_their_blocks_in_bf16(gpt_oss_mxfp4, gpt_oss_dequantized, monkeypatch):
     """In bf16 the experts keep their blocks (no float weight beside them); a sparse layer's output tracks the
-    float32 one's, and the logits are those of the same values held as bf16 weights."""
+    float32 one's (activations rounded to int8 per block, the default); with float32 activations the logits are
+    those of the same values held as bf16 weights."""
     from test_models import our_logits
 
+    from waferscale.models import quant
     from waferscale.models.quant.mxfp4 import Mxfp4Weight
 
     _, folder = gpt_oss_mxfp4
@@ -289,7 +291,8 @@ def test_mxfp4_experts_are_served_from_their_blocks_in_bf16(gpt_oss_mxfp4, gpt_o
     assert blocks.nbytes() == 2 * 64 * (64 // 2 + 64 // 32)  # 17 bytes a block of 32: 0.53 bytes a weight
     x = torch.randn(40, 64)
     got, want = served.model.layers[0].mlp(x.bfloat16()).float(), exact.model.layers[0].mlp(x)
-    assert ((got - want).norm() / want.norm()) < 0.02  # bf16 activations: 0.007 here
+    assert ((got - want).norm() / want.norm()) < 0.02  # bf16 and int8 activations
+    monkeypatch.setattr(quant.modules, "ACT_MODE", quant.ACTIVATION_MODES["float32"])
     ids = _prompt(60)
     dense = _loaded(gpt_oss_dequantized, "bfloat16")
     assert dense.model.layers[0].mlp.experts[0].down_proj.quant is None
@@ -428,3 +431,32 @@ def test_gguf_mxfp4_experts_serve_as_the_folder_does(gpt_oss_mxfp4, gpt_oss_gguf
     assert _ours(served, [ids])[0][0] == _ours(same, [ids])[0][0]
     got, want = our_logits(served, ids), our_logits(same, ids)
     assert ((got - want).norm() / want.norm()) < 1e-3
+
+
+@pytest.mark.parametrize("mode", ["native", "portable"])
+def test_mxfp4_kernel_with_int8_activations_matches_its_reference(monkeypatch, mode):
+    """With activations rounded to int8 per block of 32 (act=1, and the default auto), the kernel gives exactly
+    the products of the rounded rows (summed in float32), in both builds and both nibble orders."""
+    from waferscale import kernels
+    from waferscale.models.quant.mxfp4 import Mxfp4Weight, quantize_mxfp4
+
+    monkeypatch.setenv("WAFERSCALE_NATIVE_KERNELS", "1" if mode == "native" else mode)
+    monkeypatch.setattr(kernels, "_loaded", {})
+    native = kernels.load()
+    if native is None:
+        pytest.skip("native kernels could not be built here")
+    blocks, scales = _random_blocks(40, 256, seed=4)
+    interleaved = Mxfp4Weight.from_blocks(blocks, scales, interleaved=True)
+    gguf_order = quantize_mxfp4(interleaved.dequantize(), interleaved=False)
+    dense = _reference_mxfp4(blocks, scales).double()
+    for rows in (1, 5, 9):
+        x = torch.randn(rows, 256)
+        x[0, :32] = 0  # an all-zero block
+        d = x.view(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
+        rounded = (torch.round(x.view(rows, -1, 32) / torch.where(d == 0, 1, d)) * d).view(rows, 256)
+        want = (rounded.double() @ dense.T).float()
+        for w in (interleaved, gguf_order):
+            for act in (1, 2):
+                out = torch.empty(rows, 40)
+                native.mxfp4_gemm(x, w, out, act=act)
+                torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)

@@ -67,7 +67,7 @@ class QuantLinear(nn.Module):
             res = None if residual is None else residual[:, cols]
             if p.scale_format == MXFP4_SCALES:  # float32 activations and sums, rounded once to out's dtype
                 y = torch.empty(x.shape[0], p.out_features)
-                self.native.mxfp4_gemm(x.float(), p, y, bias)
+                self.native.mxfp4_gemm(x.float(), p, y, bias, act=ACT_MODE)
                 y = y.to(out_dtype)
                 out[:, cols] = y if res is None else res + y
             else:
