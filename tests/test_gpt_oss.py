@@ -93,6 +93,28 @@ def test_config_reads_the_architecture(gpt_oss):
     assert layer.self_attn.o_proj.bias is not None and layer.mlp.gate.bias is not None
 
 
+def test_config_json_of_the_released_checkpoint_is_read():
+    """openai/gpt-oss-20b's config.json keys (rope_scaling beside rope_theta, experts_per_token, no layer_types
+    or attention_bias, a quantization_config): windows on even layers, biases, YaRN untruncated."""
+    from waferscale.models.config import ModelConfig
+
+    raw = {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "experts_per_token": 4, "sliding_window": 128, "vocab_size": 201088,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 150000, "swiglu_limit": 7.0,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+        "quantization_config": {"quant_method": "mxfp4"}, "tie_word_embeddings": False,
+    }
+    cfg = ModelConfig.from_hf(raw, "gpt-oss-20b")
+    assert cfg.family == "gpt_oss" and cfg.attention_bias and cfg.num_experts_per_tok == 4
+    assert cfg.moe_intermediate_size == 2880 and cfg.rope_theta == 150000
+    assert [cfg.window(i) for i in range(4)] == [128, None, 128, None] and cfg.window(23) is None
+    assert cfg.rope_scaling["truncate"] is False and cfg.rope_scaling["factor"] == 32.0
+
+
 @pytest.mark.parametrize("length", [6, 60, 280])
 def test_greedy_tokens_and_logprobs_match_transformers(gpt_oss, length):
     ref, _, ours = gpt_oss

@@ -2,8 +2,9 @@
 // (16 bytes of e2m1 nibbles and one e8m0 scale per 32 weights), never widened to a copy. x and out are float32.
 // Each block's 32 weights are decoded once (a 16-entry table of the doubled e2m1 values, times 2^(e - 128)) and
 // multiplied with up to MX_ROWS rows of x at a time: one row is a decode step's dot product, several share the
-// decoding. Or, with int8_act, x rounded to int8 per block and integer products (mx_dot_rows_i8). Two nibble orders: GGUF's (byte j: weights j, j + 16) read as stored; the released checkpoints'
-// (byte j: weights 2j, 2j + 1) by first reordering each row of x within its blocks to GGUF's order, once a call.
+// decoding. Or, with int8_act (the default), x rounded to int8 per block and integer products (mx_dot_rows_i8).
+// Two nibble orders: GGUF's (byte j: weights j, j + 16) read as stored; the released checkpoints' (byte j: weights
+// 2j, 2j + 1) by first reordering each row of x within its blocks to GGUF's order, once a call.
 // AVX2 + FMA where the compiler targets them (-march=native at first use), plain C elsewhere (and with
 // -DWS_PORTABLE): the same numbers up to the order of float32 sums.
 

@@ -181,7 +181,8 @@ FAMILIES: tuple[Family, ...] = (
            _qwen3_moe_hf, _qwen3_moe_gguf, gguf_tensors={**_QK_NORMS, **_EXPERTS}),
     Family("gpt_oss", "waferscale.models.gpt_oss:GptOssForCausalLM", ("gpt_oss",), ("gpt-oss",), _gpt_oss_hf,
            _gpt_oss_gguf,
-           gguf_tensors={**_EXPERTS, "attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm"}),
+           gguf_tensors={**_EXPERTS, "attn_sinks": "self_attn.sinks",
+                         "post_attention_norm": "post_attention_layernorm"}),
 )
 
 

@@ -43,7 +43,8 @@ class Mxfp4Weight(QuantWeight):
         stacked along N."""
         if blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
             raise ValueError(
-                f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}: expected [..., G, 16] and [..., G]"
+                f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}: "
+                "expected [..., G, 16] and [..., G]"
             )
         groups = scales.shape[-1]
         q = blocks.reshape(-1, groups * 16).view(torch.uint8)
