@@ -64,7 +64,7 @@ static inline float mx_hsum(__m256 v) {
 }
 #endif
 
-// rows [r0, r0 + nr) of x (nr <= MX_ROWS) against weight row `row`: acc[r] = sum_k x[r, k] w[row, k]
+// nr rows of x (at most MX_ROWS; a constant once inlined) against one weight row w: acc[r] = sum_k x[r, k] w[k]
 MX_INLINE void mx_dot_rows(const float *x, int64_t k, const uint8_t *q, const uint8_t *e, float *acc, const int nr) {
     const int64_t blocks = k / 32;
 #ifdef MX_AVX2
