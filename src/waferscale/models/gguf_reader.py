@@ -82,11 +82,19 @@ def read_gguf(src: Path, dtype: torch.dtype, progress: bool = True, quantization
         tie_word_embeddings="output.weight" not in names,
         name=derive_name(src),
     )
-    family.read_gguf(cfg, m)
     if m("rope.scaling.type") == "linear":
         cfg.rope_scaling = {"type": "linear", "factor": m("rope.scaling.factor")}
+    elif m("rope.scaling.type") == "yarn":
+        cfg.rope_scaling = {
+            "rope_type": "yarn",
+            "factor": m("rope.scaling.factor"),
+            "original_max_position_embeddings": m("rope.scaling.original_context_length"),
+            "beta_fast": m("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": m("rope.scaling.yarn_beta_slow", 1.0),
+        }
     elif m("rope.scaling.type") not in (None, "none"):
         raise ModelLoadError(f"{src}: unsupported rope scaling {m('rope.scaling.type')!r}")
+    family.read_gguf(cfg, m)  # after the rope: a family may refine it
 
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(

@@ -59,6 +59,52 @@ def _qwen3_moe_gguf(cfg, meta) -> None:
     cfg.norm_topk_prob = True
 
 
+def _gpt_oss_hf(cfg, raw: dict[str, Any]) -> None:
+    """Every layer sparse (experts as wide as intermediate_size), sliding and full layers alternating unless
+    layer_types says otherwise, biases on q/k/v/o; the clamped SwiGLU's limit (and alpha) kept in extra."""
+    experts = raw.get("num_local_experts", raw.get("num_experts"))
+    per_token = raw.get("num_experts_per_tok", raw.get("experts_per_token"))
+    if not experts or not per_token:
+        raise ValueError("a gpt_oss config.json needs num_local_experts and num_experts_per_tok")
+    cfg.num_experts, cfg.num_experts_per_tok = experts, per_token
+    cfg.moe_intermediate_size = raw["intermediate_size"]
+    cfg.hidden_act = "swiglu_clamped"
+    cfg.attention_bias = bool(raw.get("attention_bias", True))
+    cfg.extra["swiglu_limit"] = float(raw.get("swiglu_limit", 7.0))
+    cfg.extra["swiglu_alpha"] = float(raw.get("swiglu_alpha", 1.702))
+    if "rope_theta" not in raw and "rope_theta" not in (raw.get("rope_parameters") or {}):
+        cfg.rope_theta = 150_000.0  # transformers' default for gpt-oss
+    window = raw.get("sliding_window")
+    if window:
+        cfg.sliding_window = window
+        cfg.layer_types = raw.get("layer_types") or gpt_oss_pattern(cfg.num_layers)
+
+
+def _gpt_oss_gguf(cfg, meta) -> None:
+    """llama.cpp's gpt-oss: every layer sparse, even layers sliding (its swa pattern 2), the clamped SwiGLU at
+    llama.cpp's fixed limit 7 and alpha 1.702, and YaRN without truncated correction dims (as the model and
+    transformers compute it)."""
+    cfg.num_experts = meta("expert_count", 0)
+    cfg.num_experts_per_tok = meta("expert_used_count", 0)
+    cfg.moe_intermediate_size = meta("expert_feed_forward_length", None) or cfg.intermediate_size
+    if not cfg.num_experts or not cfg.num_experts_per_tok:
+        raise ValueError("a gpt-oss GGUF needs expert_count and expert_used_count")
+    cfg.hidden_act = "swiglu_clamped"
+    cfg.attention_bias = True
+    cfg.extra.update(swiglu_limit=7.0, swiglu_alpha=1.702)
+    window = meta("attention.sliding_window", None)
+    if window:
+        cfg.sliding_window = window
+        cfg.layer_types = gpt_oss_pattern(cfg.num_layers)
+    if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "yarn":
+        cfg.rope_scaling["truncate"] = False
+
+
+def gpt_oss_pattern(num_layers: int) -> list[str]:
+    """gpt-oss's interleaving: sliding, full, sliding, full, ..."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+
+
 def _gemma3_hf(cfg, raw: dict[str, Any]) -> None:
     from waferscale.models.config import gemma_pattern
 
@@ -133,6 +179,10 @@ FAMILIES: tuple[Family, ...] = (
            gguf_norm_offset=-1.0),
     Family("qwen3_moe", "waferscale.models.qwen3_moe:Qwen3MoeForCausalLM", ("qwen3_moe",), ("qwen3moe",),
            _qwen3_moe_hf, _qwen3_moe_gguf, gguf_tensors={**_QK_NORMS, **_EXPERTS}),
+    Family("gpt_oss", "waferscale.models.gpt_oss:GptOssForCausalLM", ("gpt_oss",), ("gpt-oss",), _gpt_oss_hf,
+           _gpt_oss_gguf,
+           gguf_tensors={**_EXPERTS, "attn_sinks": "self_attn.sinks",
+                         "post_attention_norm": "post_attention_layernorm"}),
 )
 
 

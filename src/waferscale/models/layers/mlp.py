@@ -30,14 +30,22 @@ GATED_ACTIVATIONS = {"swiglu_clamped": _clamped_swiglu}
 class GatedMLP(nn.Module):
     """gate and up fused in one projection (gate rows first); with SiLU and bf16 weights, both are packed in pairs
     of panels so that one native pass gives silu(gate) * up. Biases on both projections where a family has them
-    (gpt-oss's experts)."""
+    (gpt-oss's experts); `act_params` are a gated activation's keyword arguments (gpt-oss's alpha and limit)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str = "silu",
+        bias: bool = False,
+        act_params: dict[str, float] | None = None,
+    ):
         super().__init__()
         if act not in ACTIVATIONS and act not in GATED_ACTIVATIONS:
             supported = ", ".join([*ACTIVATIONS, *GATED_ACTIVATIONS])
             raise ValueError(f"unsupported activation {act!r} (supported: {supported})")
         self.inter, self.act = intermediate_size, act
+        self.act_params = dict(act_params or {})  # a gated activation's parameters (gpt-oss: alpha, limit)
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.kernels = None
@@ -84,5 +92,5 @@ class GatedMLP(nn.Module):
         else:
             gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
             gated = GATED_ACTIVATIONS.get(self.act)
-            act = gated(gate, up) if gated is not None else ACTIVATIONS[self.act](gate) * up
+            act = gated(gate, up, **self.act_params) if gated is not None else ACTIVATIONS[self.act](gate) * up
         return self.down_proj(act, residual)

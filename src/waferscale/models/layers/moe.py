@@ -100,8 +100,18 @@ class Experts(nn.ModuleList):
     """`num_experts` gated MLPs, each its own gate_up_proj and down_proj (loaded from per-expert tensors, named
     experts.{j}.gate_proj ... as the checkpoints name them), applied by a method chosen once after loading."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
-        super().__init__(GatedMLP(hidden_size, intermediate_size, act, bias=bias) for _ in range(num_experts))
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str,
+        bias: bool = False,
+        act_params: dict[str, float] | None = None,
+    ):
+        super().__init__(
+            GatedMLP(hidden_size, intermediate_size, act, bias=bias, act_params=act_params) for _ in range(num_experts)
+        )
         self.num_experts, self.hidden_size, self.inter = num_experts, hidden_size, intermediate_size
         self.method: GroupedExperts | NativeExperts | None = None
 
@@ -154,13 +164,14 @@ class SparseMoE(nn.Module):
         expert_bias: bool = False,
         shared_intermediate_size: int | None = None,
         shared_gate: bool = False,
+        act_params: dict[str, float] | None = None,
     ):
         super().__init__()
         if not 0 < routing.top_k <= num_experts:
             raise ValueError(f"experts per token {routing.top_k} is outside 1..{num_experts} (the experts)")
         self.routing = routing
         self.gate = Linear(hidden_size, num_experts, bias=router_bias)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, act, expert_bias)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, act, expert_bias, act_params)
         shared = shared_intermediate_size
         self.shared_expert = GatedMLP(hidden_size, shared, act) if shared else None
         self.shared_expert_gate = Linear(hidden_size, 1) if shared and shared_gate else None

@@ -28,6 +28,10 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def from_gguf(data: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | None:
     """A GGUF tensor's raw blocks (uint8 [n, bytes a row]) as a QuantWeight, or None for other formats."""
+    if kind == "MXFP4":  # its own layout and kernel (models/quant/mxfp4.py)
+        from waferscale.models.quant.mxfp4 import from_gguf_mxfp4
+
+        return from_gguf_mxfp4(data, n, k)
     b = data.reshape(-1, data.shape[-1] // (k // (256 if kind.endswith("_K") else 32)))
     # Q8_0, Q4_0, Q4_1: scales (and mins) kept in float16, as stored; the kernels widen them exactly
     if kind == "Q8_0":  # d f16, 32 x int8

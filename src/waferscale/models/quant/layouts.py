@@ -106,7 +106,13 @@ class QuantWeight:
     @staticmethod
     def from_tensors(tensors: dict[str, torch.Tensor], name: str) -> QuantWeight:
         """The weight that to_tensors stored under name (its tensors popped from the dict)."""
-        bits, group, signed = tensors.pop(f"{name}.qlayout").tolist()
+        bits, group, signed, *kind = tensors.pop(f"{name}.qlayout").tolist()
+        if kind and kind[0]:  # MXFP4 (models/quant/mxfp4.py)
+            from waferscale.models.quant.mxfp4 import MXFP4_KIND, Mxfp4Weight
+
+            interleaved = kind[0] == MXFP4_KIND[True]
+            q, scales = tensors.pop(f"{name}.qweight"), tensors.pop(f"{name}.scales")
+            return Mxfp4Weight(q, scales, None, bits, group, bool(signed), interleaved=interleaved)
         return QuantWeight(
             tensors.pop(f"{name}.qweight"),
             tensors.pop(f"{name}.scales"),
@@ -130,6 +136,9 @@ def gather_quantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """Stack weights of one layout along N (q, k, v into qkv)."""
+    if hasattr(parts[0], "cat"):  # a layout with its own stacking (MXFP4)
+        return parts[0].cat(parts)
+
     def cat(key: str) -> torch.Tensor | None:
         return None if getattr(parts[0], key) is None else torch.cat([getattr(p, key) for p in parts])
 

@@ -27,6 +27,7 @@ _act_name = os.environ.get("WAFERSCALE_QUANT_ACTIVATIONS", "auto")
 if _act_name not in ACTIVATION_MODES:
     raise ValueError(f"WAFERSCALE_QUANT_ACTIVATIONS={_act_name!r}: choose one of {', '.join(ACTIVATION_MODES)}")
 ACT_MODE = ACTIVATION_MODES[_act_name]
+MXFP4_SCALES = 3  # QuantWeight.scale_format of MXFP4 blocks (models/quant/mxfp4.py): their own kernel
 
 
 class QuantLinear(nn.Module):
@@ -64,7 +65,13 @@ class QuantLinear(nn.Module):
             cols = slice(col, col + p.out_features)
             bias = None if self.bias is None else self.bias[cols]
             res = None if residual is None else residual[:, cols]
-            self.native.qgemm(x, p, out[:, cols], bias, res, act=ACT_MODE)
+            if p.scale_format == MXFP4_SCALES:  # float32 activations and sums, rounded once to out's dtype
+                y = torch.empty(x.shape[0], p.out_features)
+                self.native.mxfp4_gemm(x.float(), p, y, bias, act=ACT_MODE)
+                y = y.to(out_dtype)
+                out[:, cols] = y if res is None else res + y
+            else:
+                self.native.qgemm(x, p, out[:, cols], bias, res, act=ACT_MODE)
             col += p.out_features
         return out
 

@@ -1,0 +1,219 @@
+// MXFP4 weight-only GEMM (gpt-oss's experts, models/quant/mxfp4.py): out = x W^T (+ bias), W read from its blocks
+// (16 bytes of e2m1 nibbles and one e8m0 scale per 32 weights), never widened to a copy. x and out are float32.
+// Each block's 32 weights are decoded once (a 16-entry table of the doubled e2m1 values, times 2^(e - 128)) and
+// multiplied with up to MX_ROWS rows of x at a time: one row is a decode step's dot product, several share the
+// decoding. Or, with int8_act (the default), x rounded to int8 per block and integer products (mx_dot_rows_i8).
+// Two nibble orders: GGUF's (byte j: weights j, j + 16) read as stored; the released checkpoints' (byte j: weights
+// 2j, 2j + 1) by first reordering each row of x within its blocks to GGUF's order, once a call.
+// AVX2 + FMA where the compiler targets them (-march=native at first use), plain C elsewhere (and with
+// -DWS_PORTABLE): the same numbers up to the order of float32 sums.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(WS_PORTABLE)
+#include <immintrin.h>
+#define MX_AVX2 1
+#endif
+
+#define MX_ROWS 8
+
+static const int8_t MX_KVALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// 2^(e - 128), built from its bits (subnormal for e < 2)
+static inline float mx_half_scale(uint8_t e) {
+    uint32_t bits = e >= 2 ? (uint32_t)(e - 1) << 23 : (uint32_t)1 << (21 + e);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// every scale byte's 2^(e - 128), read by broadcast loads (no shuffle-port work a block)
+static float MX_HALF[256];
+
+static void mx_init_table(void) {
+    static int done = 0;
+    if (__atomic_load_n(&done, __ATOMIC_ACQUIRE)) return;
+    for (int e = 0; e < 256; e++) MX_HALF[e] = mx_half_scale((uint8_t)e);
+    __atomic_store_n(&done, 1, __ATOMIC_RELEASE);
+}
+
+// the row loops below are inlined with a constant row count (MX_DISPATCH), so that their accumulators stay in
+// registers
+#define MX_INLINE static inline __attribute__((always_inline))
+#define MX_DISPATCH(fn, nr, ...)          \
+    switch (nr) {                         \
+    case 1: fn(__VA_ARGS__, 1); break;    \
+    case 2: fn(__VA_ARGS__, 2); break;    \
+    case 3: fn(__VA_ARGS__, 3); break;    \
+    case 4: fn(__VA_ARGS__, 4); break;    \
+    case 5: fn(__VA_ARGS__, 5); break;    \
+    case 6: fn(__VA_ARGS__, 6); break;    \
+    case 7: fn(__VA_ARGS__, 7); break;    \
+    default: fn(__VA_ARGS__, 8); break;   \
+    }
+
+#ifdef MX_AVX2
+static inline float mx_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+// nr rows of x (at most MX_ROWS; a constant once inlined) against one weight row w: acc[r] = sum_k x[r, k] w[k]
+MX_INLINE void mx_dot_rows(const float *x, int64_t k, const uint8_t *q, const uint8_t *e, float *acc, const int nr) {
+    const int64_t blocks = k / 32;
+#ifdef MX_AVX2
+    __m256 s[MX_ROWS];
+    for (int r = 0; r < nr; r++) s[r] = _mm256_setzero_ps();
+    const __m128i table = _mm_loadu_si128((const __m128i *)MX_KVALUES);
+    const __m128i low = _mm_set1_epi8(0x0f);
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + 16 * b));
+        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low));
+        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+        const __m256 d = _mm256_broadcast_ss(MX_HALF + e[b]);
+        const __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), d);
+        const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), d);
+        const __m256 w2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), d);
+        const __m256 w3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d);
+        const float *xb = x + 32 * b;
+        for (int r = 0; r < nr; r++) {
+            const float *xr = xb + r * k;
+            __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
+            t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
+            t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
+            t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
+            s[r] = _mm256_add_ps(s[r], t);
+        }
+    }
+    for (int r = 0; r < nr; r++) acc[r] = mx_hsum(s[r]);
+#else
+    for (int64_t r = 0; r < nr; r++) acc[r] = 0.0f;
+    float w[32];
+    for (int64_t b = 0; b < blocks; b++) {
+        const float d = mx_half_scale(e[b]);
+        for (int j = 0; j < 16; j++) {
+            w[j] = MX_KVALUES[q[16 * b + j] & 15] * d;
+            w[j + 16] = MX_KVALUES[q[16 * b + j] >> 4] * d;
+        }
+        for (int64_t r = 0; r < nr; r++) {
+            const float *xr = x + r * k + 32 * b;
+            float t = 0.0f;
+            for (int j = 0; j < 32; j++) t += w[j] * xr[j];
+            acc[r] += t;
+        }
+    }
+#endif
+}
+
+// The same dot products with x rounded to int8 per block of 32 (xq, one float scale dx a block, as llama.cpp's
+// Q8_0 activations): the weights stay int8 (the doubled values), products are summed exactly in integers and each
+// block's sum is scaled once, so a block costs a few integer instructions instead of widening 32 weights to float.
+MX_INLINE void mx_dot_rows_i8(const int8_t *xq, const float *dx, int64_t k, const uint8_t *q, const uint8_t *e,
+                              float *acc, const int nr) {
+    const int64_t blocks = k / 32;
+#ifdef MX_AVX2
+    __m256 s[MX_ROWS];
+    for (int r = 0; r < nr; r++) s[r] = _mm256_setzero_ps();
+    const __m128i table = _mm_loadu_si128((const __m128i *)MX_KVALUES);
+    const __m128i low = _mm_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + 16 * b));
+        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low));
+        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+        const __m256i w = _mm256_set_m128i(hi, lo);  // weights 0..15, then 16..31
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        const __m256 d = _mm256_broadcast_ss(MX_HALF + e[b]);
+        for (int r = 0; r < nr; r++) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + r * k + 32 * b));
+            // |w| <= 12 and |y| <= 127: the pairwise int16 sums (at most 3048) cannot saturate
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(y, w)), ones);
+            const __m256 scale = _mm256_mul_ps(d, _mm256_broadcast_ss(dx + r * blocks + b));
+            s[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, s[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) acc[r] = mx_hsum(s[r]);
+#else
+    for (int64_t r = 0; r < nr; r++) acc[r] = 0.0f;
+    int8_t w[32];
+    for (int64_t b = 0; b < blocks; b++) {
+        const float d = mx_half_scale(e[b]);
+        for (int j = 0; j < 16; j++) {
+            w[j] = MX_KVALUES[q[16 * b + j] & 15];
+            w[j + 16] = MX_KVALUES[q[16 * b + j] >> 4];
+        }
+        for (int64_t r = 0; r < nr; r++) {
+            const int8_t *yr = xq + r * k + 32 * b;
+            int32_t t = 0;
+            for (int j = 0; j < 32; j++) t += (int32_t)w[j] * yr[j];
+            acc[r] += (float)t * (d * dx[r * blocks + b]);
+        }
+    }
+#endif
+}
+
+// x rounded to int8 per block of 32: dx = max |x| / 127, xq = round(x / dx) (0 where the block is 0)
+static void mx_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *dx) {
+    for (int64_t i = 0; i < m * k / 32; i++) {
+        const float *xb = x + 32 * i;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        dx[i] = d;
+        for (int j = 0; j < 32; j++) xq[32 * i + j] = (int8_t)lrintf(xb[j] * inv);
+    }
+}
+
+// out[m, n] (row stride ldo) = sum_k x[m, k] W[n, k] (+ bias[n]); x float32 [M, K] contiguous, K a multiple of 32;
+// q uint8 [N, K / 2], e uint8 [N, K / 32]; interleaved: the checkpoints' nibble order (else GGUF's); int8_act: x
+// rounded to int8 per block of 32 (mx_dot_rows_i8), else used as it is
+void mxfp4_gemm(const float *x, int64_t m, int64_t k, const uint8_t *q, const uint8_t *e, int64_t n,
+                int interleaved, int int8_act, const float *bias, float *out, int64_t ldo) {
+    mx_init_table();
+    const float *xs = x;
+    float *reordered = NULL;
+    if (interleaved) {  // x[2j] -> position j, x[2j + 1] -> position j + 16, within each block of 32
+        reordered = (float *)malloc(sizeof(float) * (size_t)(m * k));
+        if (!reordered) return;
+        for (int64_t i = 0; i < m * k; i += 32)
+            for (int j = 0; j < 16; j++) {
+                reordered[i + j] = x[i + 2 * j];
+                reordered[i + j + 16] = x[i + 2 * j + 1];
+            }
+        xs = reordered;
+    }
+    int8_t *xq = NULL;
+    float *dx = NULL;
+    if (int8_act) {
+        xq = (int8_t *)malloc((size_t)(m * k));
+        dx = (float *)malloc(sizeof(float) * (size_t)(m * k / 32));
+        if (!xq || !dx) {
+            free(xq), free(dx), free(reordered);
+            return;
+        }
+        mx_quantize_rows(xs, m, k, xq, dx);
+    }
+    const int64_t row_bytes = k / 2, row_scales = k / 32;
+#pragma omp parallel for schedule(static) if (n * m * k > (1 << 16))
+    for (int64_t col = 0; col < n; col++) {
+        float acc[MX_ROWS];
+        const float b = bias ? bias[col] : 0.0f;
+        for (int64_t r0 = 0; r0 < m; r0 += MX_ROWS) {
+            const int64_t nr = m - r0 < MX_ROWS ? m - r0 : MX_ROWS;
+            const uint8_t *qc = q + col * row_bytes, *ec = e + col * row_scales;
+            if (int8_act) {
+                MX_DISPATCH(mx_dot_rows_i8, nr, xq + r0 * k, dx + r0 * (k / 32), k, qc, ec, acc)
+            } else {
+                MX_DISPATCH(mx_dot_rows, nr, xs + r0 * k, k, qc, ec, acc)
+            }
+            for (int64_t r = 0; r < nr; r++) out[(r0 + r) * ldo + col] = acc[r] + b;
+        }
+    }
+    free(xq), free(dx), free(reordered);
+}
