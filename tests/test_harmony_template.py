@@ -27,7 +27,11 @@ WEATHER = {
     },
 }
 NOW = {"type": "function", "function": {"name": "now", "description": "The time", "parameters": {}}}
-CALL = {"id": "call1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+CALL = {
+    "id": "call1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+}
 CONVERSATION = [
     {"role": "developer", "content": "Answer in one sentence."},
     {"role": "user", "content": "Hi"},
@@ -84,7 +88,9 @@ def test_system_message_becomes_developer_instructions(tokenizers):
     messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
     ours, theirs = _both(tokenizers, messages)
     assert ours == theirs
-    text = tokenizers[0].render(messages)  # the template ends instructions with a blank line (openai-harmony does not)
+    text = tokenizers[0].render(
+        messages
+    )  # the template ends instructions with a blank line (openai-harmony does not)
     assert "<|start|>developer<|message|># Instructions\n\nBe terse.\n\n<|end|>" in text
 
 
@@ -102,7 +108,11 @@ def test_finished_turns_drop_their_reasoning_an_open_tool_turn_keeps_it(tokenize
 
 
 def test_a_later_final_answer_drops_the_tool_turn_s_reasoning_too(tokenizers):
-    messages = [*CONVERSATION, {"role": "assistant", "content": "21 degrees."}, {"role": "user", "content": "Ok"}]
+    messages = [
+        *CONVERSATION,
+        {"role": "assistant", "content": "21 degrees."},
+        {"role": "user", "content": "Ok"},
+    ]
     ours, theirs = _both(tokenizers, messages, tools=[WEATHER])
     assert ours == theirs
     assert "Need the tool." not in tokenizers[0].render(messages, tools=[WEATHER])
@@ -112,7 +122,12 @@ def test_parallel_calls_become_one_call_per_message_each_with_its_result(tokeniz
     second = {"id": "call2", "type": "function", "function": {"name": "now", "arguments": {}}}
     parallel = [
         CONVERSATION[3],
-        {"role": "assistant", "content": None, "reasoning_content": "Two tools.", "tool_calls": [CALL, second]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "Two tools.",
+            "tool_calls": [CALL, second],
+        },
         {"role": "tool", "tool_call_id": "call1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call2", "content": "noon"},
     ]
@@ -125,7 +140,9 @@ def test_parallel_calls_become_one_call_per_message_each_with_its_result(tokeniz
     ]
     template, tok, hf = tokenizers
     ours = tok.encode(template.render(parallel, tools=[WEATHER, NOW]), add_special_tokens=False).ids
-    assert ours == _both(tokenizers, split, tools=[WEATHER, NOW])[1]  # transformers renders only the first call
-    assert "<|start|>functions.now to=assistant<|channel|>commentary<|message|>\"noon\"" in template.render(
+    assert (
+        ours == _both(tokenizers, split, tools=[WEATHER, NOW])[1]
+    )  # transformers renders only the first call
+    assert '<|start|>functions.now to=assistant<|channel|>commentary<|message|>"noon"' in template.render(
         parallel, tools=[WEATHER, NOW]
     )

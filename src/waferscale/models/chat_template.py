@@ -291,7 +291,9 @@ def _one_call_per_message(messages: list[dict]) -> list[dict]:
             j += 1
         results = {m.get("tool_call_id"): m for m in messages[i + 1 : j]}
         for k, call in enumerate(calls):
-            out.append({**message, "tool_calls": [call]} if k == 0 else {"role": "assistant", "tool_calls": [call]})
+            out.append(
+                {**message, "tool_calls": [call]} if k == 0 else {"role": "assistant", "tool_calls": [call]}
+            )
             answer = results.pop(call.get("id") if isinstance(call, Mapping) else None, None)
             if answer is not None:
                 out.append(answer)

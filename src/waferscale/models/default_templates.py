@@ -39,7 +39,9 @@ _GPT_OSS_FAMILIES = ("gpt_oss", "gpt-oss")  # config.json's model_type, GGUF's g
 @functools.cache
 def gpt_oss_template() -> str:
     """gpt-oss's own chat template (harmony), as released with the model (see models/templates/README.md)."""
-    return resources.files("waferscale.models").joinpath("templates/gpt-oss.jinja").read_text(encoding="utf-8")
+    return (
+        resources.files("waferscale.models").joinpath("templates/gpt-oss.jinja").read_text(encoding="utf-8")
+    )
 
 
 def default_chat_template(architecture: str) -> str:

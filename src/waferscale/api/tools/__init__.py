@@ -38,6 +38,7 @@ __all__ = [
     "Function",
     "ToolSyntax",
     "compact_json",
+    "format_grammar",
     "grammar_special_tokens",
     "new_tool_call_id",
     "parse_tool_calls",
@@ -88,6 +89,15 @@ def tool_grammar(
     if mode.startswith("named:"):
         functions = [f for f in functions if f.name == mode[6:]]
     return chosen.tool_grammar(functions, mode, parallel_tool_calls, special_tokens, content)
+
+
+def format_grammar(
+    response_format: dict | None, syntax_name: str | ToolSyntax, special_tokens: Collection[str] = ()
+) -> str | None:
+    """Lark text that holds a turn without tools to `response_format` in the syntax's turn shape (harmony: the final
+    message, after the reasoning), or None for plain text (see `response_format_grammar` for the rules)."""
+    rule = format_rule(response_format)
+    return None if rule is None else syntax(syntax_name).format_grammar(rule, special_tokens)
 
 
 def parse_tool_calls(text: str, syntax_name: str | ToolSyntax) -> tuple[str | None, list[dict]]:

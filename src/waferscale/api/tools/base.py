@@ -26,7 +26,9 @@ def arguments_rule(function: Function) -> str:
         return json_rule({"type": "object", "properties": {}, "additionalProperties": False})
     if params.get("type", "object") != "object":
         if strict:
-            raise APIError(400, 'Function parameters must be a schema of "type": "object".', param=f"{param}.type")
+            raise APIError(
+                400, 'Function parameters must be a schema of "type": "object".', param=f"{param}.type"
+            )
         return json_rule(ANY_OBJECT)
     # arguments are always an object: a non-strict schema that leaves out "type" gets it
     schema = params if strict else {**params, "type": "object"}

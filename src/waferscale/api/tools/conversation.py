@@ -8,6 +8,7 @@ from typing import Any
 from waferscale.api.errors import APIError
 from waferscale.api.tools.declarations import check_tools, resolve_choice
 
+
 def validate_conversation(messages: list[dict], tools: Any, tool_choice: Any) -> None:
     """API version 2 checks on tools and tool messages (reference §3, CHAT-NOTES 14); APIError(400) on the first
     problem. Messages are plain dicts."""

@@ -44,7 +44,7 @@ class HarmonySyntax(ToolSyntax):
         calls = []
         for i, function in enumerate(functions):
             calls.append(
-                f'call{i}: {tok(CHANNEL)} {lit(f"commentary to=functions.{function.name} ")} {tok(CONSTRAIN)} '
+                f"call{i}: {tok(CHANNEL)} {lit(f'commentary to=functions.{function.name} ')} {tok(CONSTRAIN)} "
                 f'"json" {tok(MESSAGE)} args{i} {tok(CALL)}\nargs{i}: {arguments_rule(function)}\n'
             )
         call = "call: " + " | ".join(f"call{i}" for i in range(len(functions))) + "\n" + "".join(calls)

@@ -74,8 +74,6 @@ WS: / |\n{1,2}[ \t]{0,20}/
 ANY_OBJECT: dict = {"type": "object"}
 
 
-
-
 def validate_strict_schema(schema: dict, param: str) -> None:
     """Raise APIError(400) unless `schema` keeps to what strict mode supports (reference §5) and can enforce.
 
@@ -182,7 +180,11 @@ def _check_node(node: Any, path: str, defs: dict, *, root: bool, depth: int) -> 
             raise APIError(400, f"'{key}' must be a non-negative integer.", param=f"{path}.{key}")
     for key in sorted(_NUMERIC_KEYWORDS & set(node)):
         value = node[key]
-        if not isinstance(value, int | float) or isinstance(value, bool) or (key == "multipleOf" and value <= 0):
+        if (
+            not isinstance(value, int | float)
+            or isinstance(value, bool)
+            or (key == "multipleOf" and value <= 0)
+        ):
             positive = " greater than 0" if key == "multipleOf" else ""
             raise APIError(400, f"'{key}' must be a number{positive}.", param=f"{path}.{key}")
     if kind == "object":
@@ -197,7 +199,9 @@ def _check_array(node: dict, path: str, defs: dict, depth: int) -> None:
     prefix = node.get("prefixItems")
     if prefix is not None:
         if not isinstance(prefix, list) or not prefix:
-            raise APIError(400, "'prefixItems' must be a non-empty list of schemas.", param=f"{path}.prefixItems")
+            raise APIError(
+                400, "'prefixItems' must be a non-empty list of schemas.", param=f"{path}.prefixItems"
+            )
         for i, sub in enumerate(prefix):
             _check_node(sub, f"{path}.prefixItems[{i}]", defs, root=False, depth=depth + 1)
     closed = prefix is not None and node.get("maxItems", len(prefix) + 1) <= len(prefix)  # no items past them
@@ -224,7 +228,9 @@ def _check_string(node: dict, path: str) -> None:
     if "pattern" in node:
         pattern = node["pattern"]
         if not isinstance(pattern, str):
-            raise APIError(400, "'pattern' must be a regular expression in a string.", param=f"{path}.pattern")
+            raise APIError(
+                400, "'pattern' must be a regular expression in a string.", param=f"{path}.pattern"
+            )
         err = llguidance.LLMatcher.validate_grammar(
             f"start: x\nx: {json_rule({'type': 'string', 'pattern': pattern})}\n"
         )
