@@ -146,3 +146,19 @@ def test_parallel_calls_become_one_call_per_message_each_with_its_result(tokeniz
     assert '<|start|>functions.now to=assistant<|channel|>commentary<|message|>"noon"' in template.render(
         parallel, tools=[WEATHER, NOW]
     )
+
+
+def test_every_system_and_developer_message_joins_the_instructions(tokenizers):
+    scattered = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "developer", "content": "Use metric units."},
+        CONVERSATION[1],
+        {"role": "system", "content": "Answer in French."},
+    ]
+    joined = [
+        {"role": "developer", "content": "Be terse.\n\nUse metric units.\n\nAnswer in French."},
+        CONVERSATION[1],
+    ]
+    template, tok, _ = tokenizers
+    ours = tok.encode(template.render(scattered), add_special_tokens=False).ids
+    assert ours == _both(tokenizers, joined)[1]  # transformers would keep only "Be terse."

@@ -29,8 +29,10 @@ What transformers does not do, and we add on top:
 * A `developer` message becomes a `system` message unless the template itself knows the role.
 * gpt-oss's harmony template (it writes `<|channel|>`; `harmony`, `tool_syntax == "harmony"`) renders one call per
   assistant message: a message with several `tool_calls` is split into one message per call, each followed by its
-  result (transformers renders only the first call and names every result after it). `reasoning_effort` reaches
-  the template as a variable when the caller sets it, as transformers passes extra keyword arguments.
+  result (transformers renders only the first call and names every result after it). The template makes only a
+  first system/developer message the instructions and drops any other: every system and developer message is
+  joined (blank line between) into one first message. `reasoning_effort` reaches the template as a variable when
+  the caller sets it, as transformers passes extra keyword arguments.
 * Where the template fails on a message whose content is null (transformers drops the key, and templates such
   as Qwen3's read an assistant turn's content as text even when it only holds tool calls), the conversation is
   rendered again with "" for those contents. Conversations transformers renders are never affected.
@@ -272,6 +274,18 @@ def _apply_tool_fallback(messages: list[dict], tools: list[dict] | None) -> list
     return out
 
 
+def _instructions_first(messages: list[dict]) -> list[dict]:
+    """Every system and developer message as one first message, their texts joined by a blank line: gpt-oss's
+    template makes only a first system/developer message its developer instructions and drops any other, and the
+    hosted service feeds both roles to that layer. A conversation with at most one, first, is unchanged."""
+    instructions = [m for m in messages if m.get("role") in ("system", "developer")]
+    if not instructions or (len(instructions) == 1 and messages[0] is instructions[0]):
+        return messages
+    texts = [m["content"] for m in instructions if isinstance(m.get("content"), str) and m["content"]]
+    rest = [m for m in messages if m.get("role") not in ("system", "developer")]
+    return [{"role": "developer", "content": "\n\n".join(texts)}, *rest] if texts else rest
+
+
 def _one_call_per_message(messages: list[dict]) -> list[dict]:
     """Harmony writes one call per assistant message, answered by its result: an assistant message with several
     tool_calls becomes one message per call (the first keeps the content and reasoning), each followed by the tool
@@ -401,7 +415,7 @@ class ChatTemplate:
             messages = _apply_tool_fallback(messages, tools)
             tools = None
         if self.harmony:
-            messages = _one_call_per_message(messages)
+            messages = _one_call_per_message(_instructions_first(messages))
         extra = {"reasoning_effort": reasoning_effort} if reasoning_effort is not None else {}
         return self._render(messages, tools, add_generation_prompt, enable_thinking, extra)
 
