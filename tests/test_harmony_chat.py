@@ -232,6 +232,16 @@ def test_effort_none_is_the_default_medium_not_reasoning_off(http):
     assert none["usage"]["prompt_tokens"] == medium["usage"]["prompt_tokens"]
 
 
+@pytest.mark.parametrize("effort", ["low", "high"])
+def test_tokenize_counts_the_prompt_as_chat_renders_it(http, effort):
+    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "reasoning_effort": effort}
+    counted = http.post("/v1/tokenize", json=body).json()
+    out = chat(http, tools=[WEATHER], tool_choice="required", reasoning_effort=effort)
+    assert counted["count"] == out["usage"]["prompt_tokens"]
+    text = http.post("/v1/detokenize", json={"model": MODEL, "tokens": counted["tokens"]}).json()["prompt"]
+    assert f"\nReasoning: {effort}\n" in text and text.endswith("<|start|>assistant")
+
+
 # ---------------------------------------------------------------- the official SDKs
 
 

@@ -193,19 +193,7 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
                 "hidden",
                 param="reasoning_format",
             )
-    thinking, effort = None, None
-    if template.harmony:
-        effort = harmony_effort(req)
-    elif template.reasoning and (
-        req.disable_reasoning or (req.reasoning_effort and req.reasoning_effort.value == "none")
-    ):
-        thinking = False
-    try:
-        prompt_text = template.render(
-            messages, tools=tools or None, enable_thinking=thinking, reasoning_effort=effort
-        )
-    except TemplateError as exc:
-        raise APIError(400, f"messages: {exc}", param="messages") from None
+    prompt_text = render_prompt(req, template, messages, tools or None)
     # a conversation whose rendered prefix alone overflows the context is refused before it is tokenized in full
     # (the length reported is then what the prefix proved, a lower bound)
     known = prompt_overflows(
@@ -273,6 +261,34 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
         len(prediction),
         HarmonyOutput if template.harmony else ChoiceOutput,
     )
+
+
+def render_prompt(
+    req: ChatCompletionRequest,
+    template: ChatTemplate,
+    messages: list[dict],
+    tools: list[dict] | None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The conversation (`conversation(req)`) through the model's template with the request's reasoning controls:
+    gpt-oss's effort line, or Qwen3-style thinking switched off; a template's refusal is a 400."""
+    thinking, effort = None, None
+    if template.harmony:
+        effort = harmony_effort(req)
+    elif template.reasoning and (
+        req.disable_reasoning or (req.reasoning_effort and req.reasoning_effort.value == "none")
+    ):
+        thinking = False
+    try:
+        return template.render(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=thinking,
+            reasoning_effort=effort,
+        )
+    except TemplateError as exc:
+        raise APIError(400, f"messages: {exc}", param="messages") from None
 
 
 def harmony_effort(req: ChatCompletionRequest) -> str | None:
