@@ -41,7 +41,6 @@ class ToolSyntax(ABC):
 
     name: str
     call_prefix: str  # the text a call starts with (held back from a stream until it is known)
-    one_call_per_turn: bool = False  # the template renders one call per assistant turn
 
     @abstractmethod
     def tool_grammar(

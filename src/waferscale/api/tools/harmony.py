@@ -23,12 +23,16 @@ from waferscale.api.tools.json_calls import compact_json
 _TEXT = r"TEXT: /(?s:.)*/ & ~/(?s:.*)<\|(?s:.*)/" + "\n"
 
 
+def _markers(special_tokens: Collection[str]):
+    """A marker in Lark: its token where the tokenizer has it as a special token, else its text."""
+    return lambda marker: marker if marker in special_tokens else lit(marker)
+
+
 class HarmonySyntax(ToolSyntax):
     """gpt-oss's channels: analysis messages, then a final answer or one function call on commentary."""
 
     name = "harmony"
     call_prefix = "<|channel|>commentary to=functions."
-    one_call_per_turn = True
 
     def tool_grammar(
         self,
@@ -38,9 +42,7 @@ class HarmonySyntax(ToolSyntax):
         special_tokens: Collection[str],
         content: str | None,
     ) -> str:
-        def tok(marker: str) -> str:
-            return marker if marker in special_tokens else lit(marker)
-
+        tok = _markers(special_tokens)
         calls = []
         for i, function in enumerate(functions):
             calls.append(
@@ -56,10 +58,7 @@ class HarmonySyntax(ToolSyntax):
 
     def _turn(self, answer: str, special_tokens: Collection[str], content: str | None) -> str:
         """`start`: analysis messages, then `answer`; the final message's body is `content` (JSON) or text."""
-
-        def tok(marker: str) -> str:
-            return marker if marker in special_tokens else lit(marker)
-
+        tok = _markers(special_tokens)
         body = content if content is not None else "TEXT"
         return (
             f"start: analysis* ({answer})\n"

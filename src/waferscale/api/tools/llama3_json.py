@@ -19,7 +19,6 @@ class Llama3JsonSyntax(ToolSyntax):
 
     name = "llama3_json"
     call_prefix = "{"
-    one_call_per_turn = True
 
     def tool_grammar(
         self,
