@@ -152,6 +152,18 @@ def test_stream_carries_reasoning_deltas_then_the_whole_call(http):
     assert not any("content" in c["delta"] for c in chunks)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_auto_answers_or_calls_in_the_hosted_shape(http, seed):
+    choice = chat(http, tools=[WEATHER, TIME], seed=seed)["choices"][0]
+    if choice["finish_reason"] == "tool_calls":
+        assert choice["message"]["content"] is None
+        (call,) = choice["message"]["tool_calls"]
+        assert_call(call, [WEATHER, TIME])
+    else:
+        assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+        assert isinstance(choice["message"]["content"], str)
+
+
 def test_tool_choice_none_answers_on_the_final_channel(http):
     out = chat(http, tools=[WEATHER], tool_choice="none")
     choice = out["choices"][0]
