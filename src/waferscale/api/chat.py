@@ -19,6 +19,8 @@ from pydantic import ValidationError as PydanticValidationError
 from waferscale.api import tools as tooling
 from waferscale.api.chat_schemas import ChatCompletionRequest, TextContent
 from waferscale.api.errors import APIError, engine_error
+from waferscale.api.harmony import CALL, RETURN
+from waferscale.api.harmony_output import HarmonyOutput
 from waferscale.api.pipeline import (
     MAX_SEQUENCES,
     SSE_DONE,
@@ -39,7 +41,6 @@ from waferscale.models.chat_template import ChatTemplate, TemplateError
 from waferscale.models.tokenizer import ModelTokenizer
 
 log = logging.getLogger("waferscale.api")
-CALL_PREFIX = {"hermes": "<tool_call>", "llama3_json": "{"}  # how each tool syntax starts a call
 JSON_FORMATS = ("json_object", "json_schema")
 
 
@@ -72,10 +73,11 @@ class ChatPlan:
     n: int
     top_logprobs: int | None  # None: no logprobs; k: the sampled token plus k alternatives
     tool_mode: str | None  # None (no call may be made), "auto", "required" or "named"
-    syntax: str
+    syntax: tooling.ToolSyntax  # the model's tool-call syntax, chosen once from its template
     reasoning_format: str | None  # where reasoning goes, for templates that reason; None otherwise
     opens_reasoning: bool = False  # the generation prompt already opened <think>
     prediction_tokens: int = 0
+    output: type = field(default=None)  # ChoiceOutput, or HarmonyOutput for a harmony template
 
 
 def _text(content, param: str) -> str | None:
@@ -180,7 +182,9 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
     reasoning_format = None
     if template.reasoning:
         reasoning_format = req.reasoning_format.value
-        if reasoning_format == "none":
+        if reasoning_format == "none" and template.harmony:
+            reasoning_format = "text_parsed"  # gpt-oss's default on the hosted service
+        elif reasoning_format == "none":
             reasoning_format = "hidden" if json_format else "raw"  # Qwen3's defaults on the hosted service
         if reasoning_format == "raw" and json_format:
             raise APIError(
@@ -189,15 +193,7 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
                 "hidden",
                 param="reasoning_format",
             )
-    thinking = None
-    if template.reasoning and (
-        req.disable_reasoning or (req.reasoning_effort and req.reasoning_effort.value == "none")
-    ):
-        thinking = False
-    try:
-        prompt_text = template.render(messages, tools=tools or None, enable_thinking=thinking)
-    except TemplateError as exc:
-        raise APIError(400, f"messages: {exc}", param="messages") from None
+    prompt_text = render_prompt(req, template, messages, tools or None)
     # a conversation whose rendered prefix alone overflows the context is refused before it is tokenized in full
     # (the length reported is then what the prefix proved, a lower bound)
     known = prompt_overflows(
@@ -220,10 +216,17 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
         prompt_param="messages",  # chat has no `prompt`: the messages are what is too long
         too_long=_context_message,
     )
-    grammar = tooling.response_format_grammar(fmt)
+    syntax = tooling.syntax(template.tool_syntax)
+    special = _special_tokens(ctx.tokenizer)
+    grammar = tooling.format_grammar(fmt, syntax, special)
     if tool_mode is not None or (tools and choice == "none"):
         grammar = tooling.tool_grammar(
-            tools, choice, req.parallel_tool_calls is not False, template.tool_syntax
+            tools,
+            choice,
+            req.parallel_tool_calls is not False,
+            syntax,
+            special_tokens=special,
+            response_format=fmt,
         )
     prediction: list[int] = []
     if req.prediction is not None:
@@ -235,13 +238,14 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
         top_p=1.0 if req.top_p is None else req.top_p,
         seed=req.seed,
         min_tokens=least,
-        stop=stop_list(req.stop),
+        stop=stop_list(req.stop) + ([RETURN, CALL] if template.harmony else []),
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
         logit_bias=resolve_logit_bias(req.logit_bias, ctx),
         lark=grammar,
         prediction=prediction or None,
+        skip_special_tokens=not template.harmony,  # harmony's channels are special tokens the parser reads
     )
     return ChatPlan(
         req,
@@ -251,11 +255,48 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
         n,
         (req.top_logprobs or 0) if req.logprobs else None,
         tool_mode,
-        template.tool_syntax,
+        syntax,
         reasoning_format,
-        reasoning_format is not None and prompt_opens_reasoning(prompt_text),
+        not template.harmony and reasoning_format is not None and prompt_opens_reasoning(prompt_text),
         len(prediction),
+        HarmonyOutput if template.harmony else ChoiceOutput,
     )
+
+
+def render_prompt(
+    req: ChatCompletionRequest,
+    template: ChatTemplate,
+    messages: list[dict],
+    tools: list[dict] | None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The conversation (`conversation(req)`) through the model's template with the request's reasoning controls:
+    gpt-oss's effort line, or Qwen3-style thinking switched off; a template's refusal is a 400."""
+    thinking, effort = None, None
+    if template.harmony:
+        effort = harmony_effort(req)
+    elif template.reasoning and (
+        req.disable_reasoning or (req.reasoning_effort and req.reasoning_effort.value == "none")
+    ):
+        thinking = False
+    try:
+        return template.render(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=thinking,
+            reasoning_effort=effort,
+        )
+    except TemplateError as exc:
+        raise APIError(400, f"messages: {exc}", param="messages") from None
+
+
+def harmony_effort(req: ChatCompletionRequest) -> str | None:
+    """The `Reasoning:` level of gpt-oss's system message: low, medium or high as asked; None leaves the template's
+    default (medium). gpt-oss always reasons (it calls tools from its reasoning): `reasoning_effort: "none"` and
+    `disable_reasoning` get the default effort rather than switching reasoning off (docs/api.md)."""
+    effort = req.reasoning_effort.value if req.reasoning_effort is not None else None
+    return "medium" if effort == "none" else effort
 
 
 # ---------------------------------------------------------------- output
@@ -335,8 +376,8 @@ class ChoiceOutput:
         if self.plan.tool_mode is None or self.calling:
             return "" if self.calling else content
         self.held += content
-        prefix = CALL_PREFIX[self.plan.syntax]
-        if self.plan.syntax == "llama3_json":
+        prefix = self.plan.syntax.call_prefix
+        if self.plan.syntax.name == "llama3_json":
             start = self.held.lstrip()
             if start.startswith(prefix):
                 self.calling, self.held = True, ""
@@ -362,14 +403,14 @@ class ChoiceOutput:
         token limit goes out as text)."""
         if not self.calling:
             return [], ""
-        content, calls = tooling.parse_tool_calls(self.answer, self.plan.syntax)
+        content, calls = self.plan.syntax.parse(self.answer)
         if not calls:
             self.calling, late = False, self.answer[len(self.content) :]
             self.content = self.answer
             return [], late
-        prefix = CALL_PREFIX[self.plan.syntax]
+        prefix = self.plan.syntax.call_prefix
         if (
-            content and self.plan.syntax == "hermes" and prefix in content
+            content and self.plan.syntax.name == "hermes" and prefix in content
         ):  # a further call cut short by the limit
             content = content[: content.index(prefix)].strip()
         self.content = content or ""
@@ -390,7 +431,7 @@ class ChatRun:
     def __init__(self, plan: ChatPlan, ctx: ServingContext, fail_after: int | None = None):
         self.plan, self.ctx = plan, ctx
         self.run = Run(ctx, "chatcmpl", [plan.prompt_ids], [plan.params], plan.n, fail_after)
-        self.outputs = [ChoiceOutput(plan) for _ in range(plan.n)]
+        self.outputs = [plan.output(plan) for _ in range(plan.n)]
 
     def _header(self, obj: str) -> dict:
         return {

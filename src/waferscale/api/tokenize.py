@@ -11,10 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic import ValidationError as PydanticValidationError
 from starlette.concurrency import run_in_threadpool
 
-from waferscale.api.chat import conversation, validate_chat_request
+from waferscale.api.chat import conversation, render_prompt, validate_chat_request
 from waferscale.api.errors import APIError
 from waferscale.api.pipeline import ServingContext, check_model
-from waferscale.models.chat_template import TemplateError
 
 
 class TokenizeRequest(BaseModel):
@@ -28,6 +27,7 @@ class TokenizeRequest(BaseModel):
     tools: list[dict] | None = None
     add_special_tokens: bool = True  # prompt only: the BOS the model's tokenizer adds
     add_generation_prompt: bool = True  # messages only: end with the assistant's turn opening
+    reasoning_effort: str | None = None  # messages only: as chat completions take it (gpt-oss's effort line)
     return_token_strs: bool = False
 
 
@@ -55,14 +55,12 @@ def tokenize(req: TokenizeRequest, ctx: ServingContext) -> dict:
     if req.prompt is not None:
         ids = tok.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens).ids
     else:
-        chat = validate_chat_request({"model": req.model, "messages": req.messages, "tools": req.tools})
+        body = {"model": req.model, "messages": req.messages, "tools": req.tools}
+        if req.reasoning_effort is not None:
+            body["reasoning_effort"] = req.reasoning_effort
+        chat = validate_chat_request(body)
         tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
-        try:
-            text = ctx.chat_template.render(
-                conversation(chat), tools=tools, add_generation_prompt=req.add_generation_prompt
-            )
-        except TemplateError as exc:
-            raise APIError(400, f"messages: {exc}", param="messages") from None
+        text = render_prompt(chat, ctx.chat_template, conversation(chat), tools, req.add_generation_prompt)
         ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
     out = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
     if req.return_token_strs:

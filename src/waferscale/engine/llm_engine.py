@@ -133,7 +133,9 @@ class LLMEngine:
                 request_id=request_id,
                 prompt_ids=list(prompt_ids),
                 params=params,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
+                ),
                 generator=sampler.make_generator(params),
             )
             if params.lark is not None:

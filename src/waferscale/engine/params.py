@@ -27,6 +27,7 @@ class SamplingParams:
     prediction: list[int] | None = (
         None  # token ids of the output the client expects: drafts verified in one forward
     )
+    skip_special_tokens: bool = True  # False keeps special tokens in the text (harmony's channel markers)
 
     priority: int = TIER_PRIORITY["default"]  # admitted before any waiting sequence of a larger number
 

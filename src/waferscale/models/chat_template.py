@@ -21,12 +21,18 @@ The reference is `transformers`' `apply_chat_template` (read in `transformers/ut
 What transformers does not do, and we add on top:
 
 * A model without a chat template (a base model's GGUF or folder) gets its family's default,
-  `default_chat_template(architecture)`: Gemma's turn markers for Gemma (`DEFAULT_GEMMA`: `<bos>`, then
+  `default_chat_template(architecture)`: gpt-oss's own template for gpt-oss, Gemma's turn markers for Gemma (`DEFAULT_GEMMA`: `<bos>`, then
   `<start_of_turn>user\\n{content}<end_of_turn>\\n` per message, `model` for the assistant, a system message
   folded into the first user turn as Gemma's own template does, then `<start_of_turn>model\\n` for the generation
   prompt), ChatML for every other family (`DEFAULT_CHATML`: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per
   message, then `<|im_start|>assistant\\n`). Unlike Gemma's own template, the default accepts any order of roles.
 * A `developer` message becomes a `system` message unless the template itself knows the role.
+* gpt-oss's harmony template (it writes `<|channel|>`; `harmony`, `tool_syntax == "harmony"`) renders one call per
+  assistant message: a message with several `tool_calls` is split into one message per call, each followed by its
+  result (transformers renders only the first call and names every result after it). The template makes only a
+  first system/developer message the instructions and drops any other: every system and developer message is
+  joined (blank line between) into one first message. `reasoning_effort` reaches the template as a variable when
+  the caller sets it, as transformers passes extra keyword arguments.
 * Where the template fails on a message whose content is null (transformers drops the key, and templates such
   as Qwen3's read an assistant turn's content as text even when it only holds tool calls), the conversation is
   rendered again with "" for those contents. Conversations transformers renders are never affected.
@@ -268,6 +274,48 @@ def _apply_tool_fallback(messages: list[dict], tools: list[dict] | None) -> list
     return out
 
 
+def _instructions_first(messages: list[dict]) -> list[dict]:
+    """Every system and developer message as one first message, their texts joined by a blank line: gpt-oss's
+    template makes only a first system/developer message its developer instructions and drops any other, and the
+    hosted service feeds both roles to that layer. A conversation with at most one, first, is unchanged."""
+    instructions = [m for m in messages if m.get("role") in ("system", "developer")]
+    if not instructions or (len(instructions) == 1 and messages[0] is instructions[0]):
+        return messages
+    texts = [m["content"] for m in instructions if isinstance(m.get("content"), str) and m["content"]]
+    rest = [m for m in messages if m.get("role") not in ("system", "developer")]
+    return [{"role": "developer", "content": "\n\n".join(texts)}, *rest] if texts else rest
+
+
+def _one_call_per_message(messages: list[dict]) -> list[dict]:
+    """Harmony writes one call per assistant message, answered by its result: an assistant message with several
+    tool_calls becomes one message per call (the first keeps the content and reasoning), each followed by the tool
+    message that answers it. gpt-oss's template renders only a message's first call (and names every following
+    result after it), so a conversation with parallel calls would otherwise lose calls."""
+    out: list[dict] = []
+    i = 0
+    while i < len(messages):
+        message = messages[i]
+        calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+        if not isinstance(calls, list) or len(calls) < 2:
+            out.append(message)
+            i += 1
+            continue
+        j = i + 1
+        while j < len(messages) and messages[j].get("role") == "tool":
+            j += 1
+        results = {m.get("tool_call_id"): m for m in messages[i + 1 : j]}
+        for k, call in enumerate(calls):
+            out.append(
+                {**message, "tool_calls": [call]} if k == 0 else {"role": "assistant", "tool_calls": [call]}
+            )
+            answer = results.pop(call.get("id") if isinstance(call, Mapping) else None, None)
+            if answer is not None:
+                out.append(answer)
+        out.extend(results.values())
+        i = j
+    return out
+
+
 # ---------------------------------------------------------------- the template
 
 
@@ -276,8 +324,9 @@ class ChatTemplate:
 
     supports_tools: bool
     supports_developer: bool
-    reasoning: bool
-    tool_syntax: str
+    harmony: bool  # gpt-oss's harmony format (the template writes <|channel|>)
+    reasoning: bool  # the model reasons: <think> tags, or harmony's analysis channel
+    tool_syntax: str  # hermes | llama3_json | harmony (api/tools)
 
     def __init__(
         self,
@@ -309,9 +358,12 @@ class ChatTemplate:
         literal_text = "\0".join(literals)
         variables = jinja2.meta.find_undeclared_variables(ast)
         self.supports_developer = "developer" in literal_text
-        self.reasoning = "<think>" in literal_text or "</think>" in literal_text
+        self.harmony = "<|channel|>" in literal_text  # gpt-oss: channels, reasoning on analysis
+        self.reasoning = self.harmony or "<think>" in literal_text or "</think>" in literal_text
         self.supports_tools = self._renders_tools("tools" in variables)
-        if self.supports_tools and "<tool_call>" not in literal_text and '"parameters"' in literal_text:
+        if self.harmony:
+            self.tool_syntax = "harmony"
+        elif self.supports_tools and "<tool_call>" not in literal_text and '"parameters"' in literal_text:
             self.tool_syntax = "llama3_json"
         else:
             self.tool_syntax = "hermes"
@@ -348,8 +400,12 @@ class ChatTemplate:
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
+        reasoning_effort: str | None = None,
     ) -> str:
-        """The prompt text for `messages` (OpenAI shape); raises TemplateError with a message for the client."""
+        """The prompt text for `messages` (OpenAI shape); raises TemplateError with a message for the client.
+
+        `enable_thinking` and `reasoning_effort` reach the template as variables when set (as transformers passes
+        extra keyword arguments): Qwen3-style templates read the first, gpt-oss's the second."""
         messages = [dict(m) for m in messages]
         if not self.supports_developer:
             for m in messages:
@@ -358,7 +414,10 @@ class ChatTemplate:
         if not self.supports_tools:
             messages = _apply_tool_fallback(messages, tools)
             tools = None
-        return self._render(messages, tools, add_generation_prompt, enable_thinking)
+        if self.harmony:
+            messages = _one_call_per_message(_instructions_first(messages))
+        extra = {"reasoning_effort": reasoning_effort} if reasoning_effort is not None else {}
+        return self._render(messages, tools, add_generation_prompt, enable_thinking, extra)
 
     def _render(
         self,
@@ -366,10 +425,12 @@ class ChatTemplate:
         tools: list[dict] | None,
         add_generation_prompt: bool,
         enable_thinking: bool | None,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
         variables: dict[str, Any] = dict(self.special_tokens)
         if enable_thinking is not None:
             variables["enable_thinking"] = enable_thinking
+        variables.update(extra or {})
         variables.update(tools=_plain(tools), documents=None, add_generation_prompt=add_generation_prompt)
         try:
             try:

@@ -1,7 +1,10 @@
-"""Chat templates for models that ship none (base models, bare GGUFs): Gemma's turn markers for Gemma, ChatML for
-every other family."""
+"""Chat templates for models that ship none (base models, bare GGUFs, synthetic checkpoints): gpt-oss's own harmony
+template for gpt-oss, Gemma's turn markers for Gemma, ChatML for every other family."""
 
 from __future__ import annotations
+
+import functools
+from importlib import resources
 
 DEFAULT_CHATML = (
     "{% for message in messages %}"
@@ -30,9 +33,21 @@ DEFAULT_GEMMA = (
 roles alternate (every role but the assistant's is a user turn)."""
 
 _GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3_text")
+_GPT_OSS_FAMILIES = ("gpt_oss", "gpt-oss")  # config.json's model_type, GGUF's general.architecture
+
+
+@functools.cache
+def gpt_oss_template() -> str:
+    """gpt-oss's own chat template (harmony), as released with the model (see models/templates/README.md)."""
+    return (
+        resources.files("waferscale.models").joinpath("templates/gpt-oss.jinja").read_text(encoding="utf-8")
+    )
 
 
 def default_chat_template(architecture: str) -> str:
     """The chat template for a model of `architecture` (a GGUF's general.architecture or a config's model_type)
-    that ships none: Gemma's turn markers for Gemma, ChatML for every other family."""
+    that ships none: gpt-oss's harmony template for gpt-oss (the model only works in harmony), Gemma's turn markers
+    for Gemma, ChatML for every other family."""
+    if architecture in _GPT_OSS_FAMILIES:
+        return gpt_oss_template()
     return DEFAULT_GEMMA if architecture in _GEMMA_FAMILIES else DEFAULT_CHATML
