@@ -8,7 +8,6 @@ import logging
 import os
 import sys
 import threading
-import time
 
 MAX_HEADER_BYTES = 64 * 1024  # request line plus headers; request bodies are bounded in api.decoding
 
@@ -348,70 +347,30 @@ def _check_model_path(path: str | None) -> None:
         raise SystemExit(2) from None
 
 
-def _load(args):
-    from waferscale.models import ModelLoadError, load_model
+def _build(args):
+    """The engine of the command line's options (engine/build.py), or exit with one line when it cannot be built."""
+    from waferscale.engine import build_engine
+    from waferscale.engine.settings import SettingsError, settings_from_args
+    from waferscale.models import ModelLoadError
 
-    t0 = time.perf_counter()
     try:
-        loaded = load_model(
-            args.model, dtype=args.dtype, max_model_len=args.max_model_len, quantization=args.quantization
-        )
-    except ModelLoadError as exc:
+        return build_engine(settings_from_args(args))
+    except (ModelLoadError, SettingsError) as exc:
         print(f"waferscale: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    logging.getLogger("waferscale").info(
-        "loaded %s (%s, weights: %s, context %d) in %.1f s",
-        loaded.name,
-        args.dtype,
-        loaded.quantization,
-        loaded.max_model_len,
-        time.perf_counter() - t0,
-    )
-    return loaded
-
-
-def _in_passing_thread(fn):
-    """fn() on a thread that then exits, so that the OpenMP workers PyTorch starts for it exit too.
-
-    The engine thread's workers are then the only ones in the process. libgomp keeps workers spinning between
-    parallel regions only while it manages no more threads than there are CPUs; with the load's workers still
-    parked it spins almost not at all, and each of the hundreds of small regions in a decode step waits for a
-    futex wake-up instead (measured: 37-42 against 24-35 ms a token, single stream, on 2 cores).
-    """
-    result: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            result["value"] = fn()
-        except (
-            BaseException
-        ) as exc:  # SystemExit from a failed load included: re-raised on the caller's thread
-            result["error"] = exc
-
-    thread = threading.Thread(target=run, name="waferscale-load", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 def serve(args) -> None:
-    # oneDNN keeps one compiled GEMM per (weight, batch rows) shape, 1,024 by default; a server sees every batch size
-    # from 1 to --max-num-batched-tokens, so the default cache alone grows RSS by hundreds of MiB over hours. Read by
-    # oneDNN at its first GEMM, so it must be set before the model runs; an operator's own setting wins.
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
-    # PyTorch's ideep keeps its own cache of oneDNN computations per shape (LRU_CACHE_CAPACITY, 1,024 by default),
-    # beside oneDNN's: the same bound, for the same reason.
-    os.environ.setdefault("LRU_CACHE_CAPACITY", "256")
+    from waferscale.engine.build import cap_kernel_caches
+
+    cap_kernel_caches()  # before PyTorch is imported
     import uvicorn
 
     from waferscale.api.auth import Keyring, parse_keys
     from waferscale.api.keys import KeyFileError
     from waferscale.api.pipeline import ServingContext
     from waferscale.api.server import create_app
-    from waferscale.engine import AsyncEngine, LLMEngine
-    from waferscale.engine.speculation import SpeculativeConfig
+    from waferscale.engine import AsyncEngine
     from waferscale.models.chat_template import ChatTemplate
 
     log = logging.getLogger("waferscale")
@@ -430,20 +389,8 @@ def serve(args) -> None:
 
         return serve_on_ray(args, keys)
 
-    def build():
-        loaded = _load(args)
-        engine = LLMEngine(
-            loaded,
-            kv_cache_bytes=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_cache=not args.no_prefix_cache,
-            queue_timeout=args.queue_timeout,
-            speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens),
-        )
-        return loaded, engine
-
-    loaded, engine = _in_passing_thread(build)
+    built = _build(args)
+    loaded, engine = built.loaded, built.engine
     names = [loaded.name] + [n for n in args.served_model_name if n != loaded.name]
     ctx = ServingContext(
         engine=AsyncEngine(engine),
@@ -521,10 +468,10 @@ def _graceful_server(config, ctx, grace: float):
 
 
 def complete(args) -> None:
-    from waferscale.engine import LLMEngine, SamplingParams
+    from waferscale.engine import SamplingParams
 
-    loaded = _load(args)
-    engine = LLMEngine(loaded)
+    built = _build(args)
+    loaded, engine = built.loaded, built.engine
     ids = loaded.tokenizer.encode(args.prompt)
     engine.add_request("cli", ids, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
     while engine.has_work():
