@@ -1,0 +1,157 @@
+"""One server, several models (`serve --models FILE`): a request's `model` picks its engine, models load on first
+use within --memory-budget, the least recently used one is unloaded once its requests end. A real server over
+loopback with the two built-in models and the official SDK; the budget holds one of them at a time."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from conftest import Server, cerebras_for
+
+# each model's budget share: its GGUF on disk plus its KV cache (api/models_registry.estimate_bytes): SmolLM2
+# 94 MiB + 64 MiB, Gemma 3 270M 241 MiB + 64 MiB; 400 MiB holds either, never both
+MODELS_TOML = """
+[[model]]
+name = "small"
+aliases = ["tiny"]
+path = "smollm2-135m-instruct"
+kv_cache_memory = "64MiB"
+max_num_seqs = 4
+
+[[model]]
+name = "gemma"
+path = "gemma-3-270m"
+kv_cache_memory = "64MiB"
+max_num_seqs = 4
+
+[[model]]
+name = "broken"
+path = "no-such-model.gguf"
+"""
+PROMPT = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "models.toml"
+    path.write_text(MODELS_TOML)
+    s = Server("--models", str(path), "--memory-budget", "400MiB", "--speculative", "none")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def sdk(fleet):
+    with cerebras_for(fleet.url) as client:
+        yield client
+
+
+def fingerprint(sdk, model: str) -> str:
+    reply = sdk.chat.completions.create(model=model, messages=PROMPT, max_tokens=3, temperature=0)
+    assert reply.model == model
+    assert reply.choices[0].message.content
+    return reply.system_fingerprint
+
+
+def health(fleet) -> dict:
+    return httpx.get(fleet.url + "/health").json()["models"]
+
+
+def test_each_name_is_answered_by_its_own_model_loaded_on_demand(fleet, sdk):
+    small, gemma, tiny = fingerprint(sdk, "small"), fingerprint(sdk, "gemma"), fingerprint(sdk, "tiny")
+    assert small != gemma  # each model's weights and tokenizer stamp its own fingerprint
+    assert tiny == small  # an alias picks the same engine: small, unloaded for gemma, loaded again
+    state = health(fleet)
+    assert (state["small"]["loads"], state["small"]["unloads"], state["gemma"]["unloads"]) == (2, 1, 1)
+
+
+def test_models_lists_every_configured_model_and_whether_it_is_loaded(fleet):
+    body = httpx.get(fleet.url + "/v1/models").json()
+    assert [m["id"] for m in body["data"]] == ["small", "tiny", "gemma", "broken"]
+    for card in body["data"]:
+        assert card["object"] == "model" and card["owned_by"] and isinstance(card["created"], int)
+        assert isinstance(card["loaded"], bool)
+    assert not next(m for m in body["data"] if m["id"] == "broken")["loaded"]
+
+
+def test_metrics_are_labelled_by_model(fleet, sdk):
+    fingerprint(sdk, "small")
+    text = httpx.get(fleet.url + "/metrics").text
+    assert 'waferscale_model_loaded{model="small"} 1.0' in text
+    assert 'waferscale_model_loaded{model="broken"} 0.0' in text
+    assert 'waferscale_generated_tokens_total{model="small"}' in text
+    assert 'waferscale_kv_blocks_free{model="small"}' in text
+
+
+def test_unknown_model_is_404_listing_the_served_names(sdk):
+    from cerebras.cloud.sdk import NotFoundError
+
+    with pytest.raises(NotFoundError) as info:
+        sdk.chat.completions.create(model="no-such-model", messages=PROMPT, max_tokens=1)
+    assert all(name in str(info.value) for name in ("small", "tiny", "gemma", "broken"))
+
+
+def test_a_model_that_cannot_load_answers_with_its_error_while_the_others_serve(sdk):
+    from cerebras.cloud.sdk import InternalServerError
+
+    with pytest.raises(InternalServerError) as info:  # 503
+        sdk.chat.completions.create(model="broken", messages=PROMPT, max_tokens=1)
+    assert "no-such-model.gguf" in str(info.value) and "does not exist" in str(info.value)
+    assert fingerprint(sdk, "small")
+
+
+def test_budget_unloads_the_idle_model_after_its_stream_completes(fleet, sdk):
+    fingerprint(sdk, "small")  # loaded; the budget has no room for gemma beside it
+    unloads = health(fleet)["small"]["unloads"]
+    stream = sdk.chat.completions.create(
+        model="small", messages=PROMPT, max_tokens=48, temperature=0, stream=True,
+        extra_body={"min_tokens": 48},
+    )
+    first = next(stream)  # small is serving this stream when gemma is asked for
+    other: dict = {}
+    asking = threading.Thread(target=lambda: other.update(fp=fingerprint(sdk, "gemma")))
+    asking.start()
+    chunks = [first, *stream]
+    asking.join(timeout=120)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 40
+    assert chunks[-1].choices[0].finish_reason == "length"  # the stream ran to its end, then small was unloaded
+    assert other["fp"]  # and gemma, loaded in its place, answered
+    state = health(fleet)
+    assert state["small"]["state"] == "unloaded" and state["small"]["unloads"] == unloads + 1
+    assert state["gemma"]["state"] == "loaded"
+
+
+def models_file_error(tmp_path, text: str) -> str:
+    from waferscale.api.models_file import ModelsFileError, read_models_file
+    from waferscale.engine.settings import EngineSettings
+
+    path = tmp_path / "models.toml"
+    path.write_text(text)
+    with pytest.raises(ModelsFileError) as info:
+        read_models_file(path, EngineSettings())
+    return str(info.value)
+
+
+def test_models_file_unknown_option_is_refused_with_its_line(tmp_path):
+    message = models_file_error(tmp_path, '[[model]]\nname = "a"\npath = "gemma-3-270m"\nkv_cache = "1GiB"\n')
+    assert message.startswith(f"{tmp_path / 'models.toml'}:4: unknown option 'kv_cache'")
+
+
+def test_models_file_duplicate_name_is_refused_with_its_line(tmp_path):
+    text = '[[model]]\nname = "a"\npath = "gemma-3-270m"\n\n[[model]]\nname = "b"\naliases = ["a"]\npath = "x.gguf"\n'
+    message = models_file_error(tmp_path, text)
+    assert message.startswith(f"{tmp_path / 'models.toml'}:7: duplicate model name 'a'")
+
+
+def test_models_file_options_override_the_command_line_defaults(tmp_path):
+    from waferscale.api.models_file import read_models_file
+    from waferscale.engine.settings import EngineSettings
+
+    path = tmp_path / "models.toml"
+    path.write_text('[[model]]\nname = "a"\npath = "gemma-3-270m"\nkv-cache-memory = "64MiB"\npinned = true\n')
+    (spec,) = read_models_file(path, EngineSettings(dtype="float32", max_num_seqs=7))
+    assert (spec.name, spec.pinned, spec.settings.model) == ("a", True, "gemma-3-270m")
+    assert spec.settings.kv_cache_memory == 64 << 20
+    assert (spec.settings.dtype, spec.settings.max_num_seqs) == ("float32", 7)
