@@ -126,7 +126,10 @@ class ModelRegistry:
         for spec in specs:
             for name in spec.names:
                 if name in seen:
-                    raise ValueError(f"model name {name!r} is used by both {seen[name]!r} and {spec.name!r}")
+                    raise ValueError(
+                        f"model name {name!r} is given twice" if seen[name] == spec.name
+                        else f"model name {name!r} is used by both {seen[name]!r} and {spec.name!r}"
+                    )
                 seen[name] = spec.name
         self.entries = [ModelEntry(spec, cost=estimate_bytes(spec.settings)) for spec in specs]
         self._by_name = {n: e for e in self.entries for n in e.spec.names}
