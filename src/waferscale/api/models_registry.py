@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ class ModelEntry:
     error: str | None = None  # why the last load failed
     leases: int = 0  # requests in flight (planning, queued or generating)
     last_used: float = 0.0
-    cost: int = 0  # bytes counted against the budget while loaded (estimate_bytes)
+    cost: int = 0  # bytes counted against the budget: estimate_bytes until loaded, then what its load measured
     loads: int = 0
     unloads: int = 0
     loading: asyncio.Task | None = None
@@ -336,7 +337,13 @@ def build_context(spec: ModelSpec, options: ServerOptions) -> tuple[ServingConte
     from waferscale.engine import AsyncEngine, build_engine
     from waferscale.models.chat_template import ChatTemplate
 
+    from waferscale.heap import trim_heap
+
+    trim_heap()
+    before = _rss()
     built = build_engine(spec.settings)
+    trim_heap()
+    grown = _rss() - before
     loaded = built.loaded
     ctx = ServingContext(
         engine=AsyncEngine(built.engine),
@@ -350,7 +357,19 @@ def build_context(spec: ModelSpec, options: ServerOptions) -> tuple[ServingConte
         max_waiting=options.max_waiting,
         chat_template=ChatTemplate.for_tokenizer(loaded.tokenizer),
     )
-    return ctx, estimate_bytes(spec.settings)
+    estimate = estimate_bytes(spec.settings)
+    log.info("model %s holds about %d MiB (the process grew by %d MiB loading it; estimated %d MiB)",
+             spec.name, max(estimate, grown) >> 20, grown >> 20, estimate >> 20)
+    return ctx, max(estimate, grown)
+
+
+def _rss() -> int:
+    """This process's resident memory in bytes (0 where unknown)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def estimate_bytes(settings: EngineSettings) -> int:
