@@ -18,6 +18,7 @@ from pathlib import Path
 from waferscale.api.errors import APIError
 from waferscale.api.pipeline import Run, ServingContext, unknown_model
 from waferscale.engine.settings import EngineSettings
+from waferscale.models import ModelLoadError
 
 log = logging.getLogger("waferscale.api")
 MEMORY_MARGIN = 2**30  # what the default budget leaves to the rest of the process and the machine (or 10%)
@@ -283,11 +284,11 @@ class ModelRegistry:
                 ctx, cost = await asyncio.to_thread(self._build, entry.spec, self.options)
             except Exception as exc:  # ModelLoadError: one clear line; anything else: its type and text
                 entry.state = "failed"
-                entry.error = str(exc) if type(exc).__name__ == "ModelLoadError" else f"{type(exc).__name__}: {exc}"
+                entry.error = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
                 log.error("model %s failed to load: %s", entry.spec.name, entry.error)
                 return
             ctx.draining = self._draining
-            ctx.engine.start()
+            await asyncio.to_thread(ctx.engine.start)  # its gc.collect and freeze off the event loop
             entry.ctx, entry.cost, entry.state = ctx, cost, "loaded"
             entry.loads += 1
             entry.last_used = time.monotonic()
@@ -375,7 +376,7 @@ def _rss() -> int:
 def estimate_bytes(settings: EngineSettings) -> int:
     """Before a model's first load: its weights' size on disk (a GGUF, or a folder's safetensors; doubled when a
     quantized GGUF is dequantized), plus its KV cache."""
-    from waferscale.models import ModelLoadError, model_source
+    from waferscale.models import model_source
 
     try:
         src = model_source(settings.model)

@@ -66,9 +66,9 @@ def build_engine(settings: EngineSettings) -> BuiltEngine:
     """Load `settings.model` and build its engine. Raises models.ModelLoadError (one clear line) when the model
     cannot be loaded."""
     cap_kernel_caches()
-    if settings.threads is not None:  # on the calling thread, whose threads the engine thread's OpenMP follows
-        import torch
+    import torch  # on the calling thread (the process's main thread for the CLI), as before the load thread
 
+    if settings.threads is not None:
         torch.set_num_threads(settings.threads)
 
     def build() -> BuiltEngine:
