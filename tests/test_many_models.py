@@ -168,3 +168,17 @@ def test_models_file_options_override_the_command_line_defaults(tmp_path):
     assert (spec.name, spec.pinned, spec.settings.model) == ("a", True, "gemma-3-270m")
     assert spec.settings.kv_cache_memory == 64 << 20
     assert (spec.settings.dtype, spec.settings.max_num_seqs) == ("float32", 7)
+
+
+def test_serve_refuses_a_bad_models_file_at_start_with_its_line(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "models.toml"
+    path.write_text('[[model]]\nname = "a"\npath = "gemma-3-270m"\nmax_num_seqs = "many"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "waferscale", "serve", "--models", str(path)], capture_output=True, text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert f"waferscale: error: {path}:4: max_num_seqs = 'many' is not an integer" in out.stderr

@@ -46,6 +46,9 @@ TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+KIND_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "a list"}
+
+
 class ModelsFileError(ValueError):
     """A models file the server cannot start from; the message names the file, the line and what to change."""
 
@@ -96,7 +99,8 @@ def _spec(path: Path, text: str, i: int, table: dict, defaults: EngineSettings) 
         if not isinstance(value, TYPES[key.replace("-", "_")]) or (
             isinstance(value, bool) and bool not in TYPES[key.replace("-", "_")]
         ):
-            raise fail(key, f"{key} = {value!r} is not a {' or '.join(t.__name__ for t in TYPES[key.replace('-', '_')])}")
+            kinds = " or ".join(KIND_NAMES[t] for t in TYPES[key.replace("-", "_")])
+            raise fail(key, f"{key} = {value!r} is not {kinds}")
     table = {k.replace("-", "_"): v for k, v in table.items()}
     if "name" not in table:
         raise fail(None, "[[model]] has no name (the name clients send as `model`)")
