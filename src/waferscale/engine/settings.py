@@ -58,9 +58,8 @@ class EngineSettings:
 def settings_from_args(args) -> EngineSettings:
     """The engine settings of a parsed `waferscale serve` or `complete` command line (a parser's defaults where a
     command has no such option). Raises SettingsError."""
-    model = args.model[0] if isinstance(args.model, list) and args.model else args.model
     return EngineSettings(
-        model=model or None,
+        model=args.model or None,  # one path: cli.main has taken a single --model out of its list
         dtype=args.dtype,
         quantization=args.quantization,
         max_model_len=args.max_model_len,
