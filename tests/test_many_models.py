@@ -5,6 +5,7 @@ loopback with the two built-in models and the official SDK; the budget holds one
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -182,3 +183,44 @@ def test_serve_refuses_a_bad_models_file_at_start_with_its_line(tmp_path):
     )
     assert out.returncode == 2
     assert f"waferscale: error: {path}:4: max_num_seqs = 'many' is not an integer" in out.stderr
+
+
+def test_pinned_model_loads_at_start_and_shutdown_drains_every_model(tmp_path):
+    import signal
+
+    path = tmp_path / "models.toml"
+    path.write_text(
+        '[[model]]\nname = "small"\npath = "smollm2-135m-instruct"\nkv_cache_memory = "64MiB"\npinned = true\n\n'
+        '[[model]]\nname = "gemma"\npath = "gemma-3-270m"\nkv_cache_memory = "64MiB"\n'
+    )
+    server = Server("--models", str(path), "--shutdown-grace", "5")
+    try:
+        deadline = time.time() + 120
+        while (state := health(server)["small"]["state"]) != "loaded":  # nobody asked for it: pinned
+            assert time.time() < deadline and state in ("unloaded", "loading")
+            time.sleep(0.2)
+        body = {"prompt": "Hello", "max_tokens": 2, "min_tokens": 2}
+        assert httpx.post(server.url + "/v1/completions", json={**body, "model": "gemma"}, timeout=120).is_success
+        out: dict = {}
+
+        def ask(model: str, tokens: int) -> threading.Thread:
+            req = {**body, "model": model, "max_tokens": tokens, "min_tokens": tokens}
+            t = threading.Thread(
+                target=lambda: out.update({model: httpx.post(server.url + "/v1/completions", json=req, timeout=60)})
+            )
+            t.start()
+            return t
+
+        asking = [ask("gemma", 4000), ask("small", 2)]
+        deadline = time.time() + 30
+        while health(server)["gemma"]["in_flight"] + health(server)["small"]["in_flight"] < 2:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        for t in asking:
+            t.join(60)
+        assert out["small"].status_code == 200  # finished within the grace period
+        assert out["gemma"].status_code == 503 and "shutting down" in out["gemma"].json()["error"]["message"]
+        assert server.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        server.stop()
