@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
+import sys
 from pathlib import Path
 
 from waferscale.api.models_registry import ModelSpec
 from waferscale.engine.settings import EngineSettings, SettingsError
 from waferscale.models.source import BUILTIN_MODELS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the tomli package (a dependency there)
+    import tomli as tomllib
 
 # option in the file -> EngineSettings field (None: a ModelSpec field)
 OPTIONS: dict[str, str | None] = {
@@ -73,7 +78,9 @@ def read_models_file(path: str | Path, defaults: EngineSettings) -> list[ModelSp
         )
     tables = doc.get("model")
     if not isinstance(tables, list) or not tables:
-        raise ModelsFileError(f"{path}: no [[model]] table; each model served is one [[model]] with name and path")
+        raise ModelsFileError(
+            f"{path}: no [[model]] table; each model served is one [[model]] with name and path"
+        )
     specs: list[ModelSpec] = []
     owner: dict[str, str] = {}
     for i, table in enumerate(tables):
@@ -105,10 +112,13 @@ def _spec(path: Path, text: str, i: int, table: dict, defaults: EngineSettings) 
     if "name" not in table:
         raise fail(None, "[[model]] has no name (the name clients send as `model`)")
     if "path" not in table:
-        raise fail(None, f"model {table['name']!r} has no path (a GGUF file, a Hugging Face folder or a built-in name)")
+        raise fail(
+            None,
+            f"model {table['name']!r} has no path (a GGUF file, a Hugging Face folder or a built-in name)",
+        )
     aliases = table.get("aliases", [])
     if not all(isinstance(a, str) and a for a in aliases):
-        raise fail("aliases", "aliases is a list of names, e.g. aliases = [\"llama3.1-8b\"]")
+        raise fail("aliases", 'aliases is a list of names, e.g. aliases = ["llama3.1-8b"]')
     changes: dict[str, object] = {}
     for key, value in table.items():
         field = OPTIONS[key]
@@ -131,8 +141,18 @@ def _spec(path: Path, text: str, i: int, table: dict, defaults: EngineSettings) 
 
 def _size(text: str) -> int | None:
     """Bytes from '512MiB', '2GiB', '1.5GB', '1073741824' (None when not a size)."""
-    units = {"": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
-             "gib": 2**30}
+    units = {
+        "": 1,
+        "k": 1e3,
+        "kb": 1e3,
+        "kib": 2**10,
+        "m": 1e6,
+        "mb": 1e6,
+        "mib": 2**20,
+        "g": 1e9,
+        "gb": 1e9,
+        "gib": 2**30,
+    }
     m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in units:
         return None

@@ -9,19 +9,17 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from waferscale.api.errors import APIError
+from waferscale.api.model_loading import build_context, default_memory_budget, estimate_bytes
 from waferscale.api.pipeline import Run, ServingContext, unknown_model
 from waferscale.engine.settings import EngineSettings
 from waferscale.models import ModelLoadError
 
 log = logging.getLogger("waferscale.api")
-MEMORY_MARGIN = 2**30  # what the default budget leaves to the rest of the process and the machine (or 10%)
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,9 @@ class ModelEntry:
     error: str | None = None  # why the last load failed
     leases: int = 0  # requests in flight (planning, queued or generating)
     last_used: float = 0.0
-    cost: int = 0  # bytes counted against the budget: estimate_bytes until loaded, then what its load measured
+    cost: int = (
+        0  # bytes counted against the budget: estimate_bytes until loaded, then what its load measured
+    )
     loads: int = 0
     unloads: int = 0
     loading: asyncio.Task | None = None
@@ -129,7 +129,8 @@ class ModelRegistry:
             for name in spec.names:
                 if name in seen:
                     raise ValueError(
-                        f"model name {name!r} is given twice" if seen[name] == spec.name
+                        f"model name {name!r} is given twice"
+                        if seen[name] == spec.name
                         else f"model name {name!r} is used by both {seen[name]!r} and {spec.name!r}"
                     )
                 seen[name] = spec.name
@@ -240,7 +241,9 @@ class ModelRegistry:
 
     async def _ready(self, entry: ModelEntry) -> ServingContext:
         """The entry's context once loaded, loading it (or waiting for its load) as needed."""
-        deadline = None if self.options.queue_timeout is None else time.monotonic() + self.options.queue_timeout
+        deadline = (
+            None if self.options.queue_timeout is None else time.monotonic() + self.options.queue_timeout
+        )
         while True:
             if entry.state == "loaded" and entry.ctx is not None:
                 return entry.ctx
@@ -279,7 +282,9 @@ class ModelRegistry:
                 entry.state, entry.error = "failed", exc.message
                 return
             entry.state, entry.error = "loading", None
-            log.info("loading model %s (%s)", entry.spec.name, entry.spec.settings.model or "the built-in model")
+            log.info(
+                "loading model %s (%s)", entry.spec.name, entry.spec.settings.model or "the built-in model"
+            )
             try:
                 ctx, cost = await asyncio.to_thread(self._build, entry.spec, self.options)
             except Exception as exc:  # ModelLoadError: one clear line; anything else: its type and text
@@ -302,7 +307,9 @@ class ModelRegistry:
                 f"needs about {need >> 20} MiB, more than the whole --memory-budget ({self.memory_budget >> 20} MiB)",
             )
         while self.used_bytes() + need > self.memory_budget:
-            victims = [e for e in self.entries if e.state == "loaded" and not e.spec.pinned and e is not entry]
+            victims = [
+                e for e in self.entries if e.state == "loaded" and not e.spec.pinned and e is not entry
+            ]
             if not victims:
                 raise APIError(
                     503,
@@ -312,8 +319,12 @@ class ModelRegistry:
                 )
             victim = min(victims, key=lambda e: e.last_used)
             victim.state = "unloading"  # new requests for it wait for its next load
-            log.info("unloading model %s to make room for %s (waiting for %d request(s))", victim.spec.name,
-                     entry.spec.name, victim.leases)
+            log.info(
+                "unloading model %s to make room for %s (waiting for %d request(s))",
+                victim.spec.name,
+                entry.spec.name,
+                victim.leases,
+            )
             await victim.idle.wait()
             await asyncio.to_thread(_unload, victim)
 
@@ -331,71 +342,3 @@ def _unload(entry: ModelEntry) -> None:
     trim_heap()
     entry.state = "unloaded"
     entry.unloads += 1
-
-
-def build_context(spec: ModelSpec, options: ServerOptions) -> tuple[ServingContext, int]:
-    """A ServingContext serving `spec` on its own engine (engine/build.py), and the bytes it holds."""
-    from waferscale.engine import AsyncEngine, build_engine
-    from waferscale.models.chat_template import ChatTemplate
-
-    from waferscale.heap import trim_heap
-
-    trim_heap()
-    before = _rss()
-    built = build_engine(spec.settings)
-    trim_heap()
-    grown = _rss() - before
-    loaded = built.loaded
-    ctx = ServingContext(
-        engine=AsyncEngine(built.engine),
-        tokenizer=loaded.tokenizer,
-        served_names=[n for n in spec.names],
-        max_model_len=loaded.max_model_len,
-        vocab_size=loaded.config.vocab_size,
-        fingerprint=loaded.fingerprint,
-        log_requests=options.log_requests,
-        fault_injection=options.fault_injection,
-        max_waiting=options.max_waiting,
-        chat_template=ChatTemplate.for_tokenizer(loaded.tokenizer),
-    )
-    estimate = estimate_bytes(spec.settings)
-    log.info("model %s holds about %d MiB (the process grew by %d MiB loading it; estimated %d MiB)",
-             spec.name, max(estimate, grown) >> 20, grown >> 20, estimate >> 20)
-    return ctx, max(estimate, grown)
-
-
-def _rss() -> int:
-    """This process's resident memory in bytes (0 where unknown)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def estimate_bytes(settings: EngineSettings) -> int:
-    """Before a model's first load: its weights' size on disk (a GGUF, or a folder's safetensors; doubled when a
-    quantized GGUF is dequantized), plus its KV cache."""
-    from waferscale.models import model_source
-
-    try:
-        src = model_source(settings.model)
-    except ModelLoadError:
-        return 0  # it takes nothing: its load fails, with this message
-    files = [src] if src.is_file() else list(Path(src).glob("*.safetensors"))
-    weights = sum(f.stat().st_size for f in files)
-    if src.is_file() and (settings.quantization == "none" or settings.dtype == "float32"):
-        weights *= 4 if settings.dtype == "float32" else 2
-    return weights + settings.kv_cache_memory
-
-
-def default_memory_budget() -> int:
-    """The machine's memory less a margin (1 GiB or a tenth, whichever is more); unbounded where unknown."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemTotal:"):
-                total = int(line.split()[1]) * 1024
-                return total - max(MEMORY_MARGIN, total // 10)
-    except OSError:
-        pass
-    return 2**62

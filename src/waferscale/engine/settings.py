@@ -31,13 +31,17 @@ class EngineSettings:
     queue_timeout: float | None = 600.0
     speculative: str = "ngram"
     num_speculative_tokens: int = 8
-    threads: int | None = None  # torch threads set before loading; None: as the process was planned (threads.py)
+    threads: int | None = (
+        None  # torch threads set before loading; None: as the process was planned (threads.py)
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise SettingsError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
-            raise SettingsError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+            raise SettingsError(
+                f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
+            )
         if self.speculative not in SPECULATIONS:
             raise SettingsError(f"speculative {self.speculative!r} is not one of {', '.join(SPECULATIONS)}")
         if self.num_speculative_tokens < 1:

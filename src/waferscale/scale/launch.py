@@ -50,11 +50,11 @@ def serve_on_ray(args, api_keys: list[str]) -> None:
     except ImportError:
         _exit("--replicas needs Ray Serve: pip install 'waferscale[ray]'")
 
+    from waferscale.engine.settings import settings_from_args
     from waferscale.scale.autoscale import queue_and_kv_policy
     from waferscale.scale.board import StatsBoard
     from waferscale.scale.front import Front, FrontSettings
     from waferscale.scale.ray_router import AffinityRouter
-    from waferscale.engine.settings import settings_from_args
     from waferscale.scale.replica import EngineReplica
 
     ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
