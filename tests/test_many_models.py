@@ -211,11 +211,16 @@ def test_pinned_model_loads_at_start_and_shutdown_drains_every_model(tmp_path):
             t.start()
             return t
 
-        asking = [ask("gemma", 4000), ask("small", 2)]
-        deadline = time.time() + 30
-        while health(server)["gemma"]["in_flight"] + health(server)["small"]["in_flight"] < 2:
-            assert time.time() < deadline
-            time.sleep(0.05)
+        def wait_until(ready) -> None:
+            deadline = time.time() + 30
+            while not ready():
+                assert time.time() < deadline
+                time.sleep(0.05)
+
+        asking = [ask("gemma", 4000)]
+        wait_until(lambda: health(server)["gemma"]["in_flight"] == 1)
+        asking.append(ask("small", 2))
+        wait_until(lambda: "small" in out or health(server)["small"]["in_flight"] == 1)
         server.proc.send_signal(signal.SIGTERM)
         for t in asking:
             t.join(60)
