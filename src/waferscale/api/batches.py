@@ -21,7 +21,7 @@ from waferscale.api.chat import ChatRun, plan_chat, validate_chat_request
 from waferscale.api.completions import CompletionRun, plan_request, validate_request
 from waferscale.api.errors import APIError
 from waferscale.api.files import MAX_TTL, MIN_TTL, install_files, int_param, not_found, owner_of
-from waferscale.api.pipeline import ServingContext
+from waferscale.api.models_registry import ModelRegistry
 from waferscale.api.store import TERMINAL, Store, new_id
 from waferscale.engine.params import BATCH_PRIORITY
 
@@ -114,8 +114,8 @@ async def _never_disconnected() -> bool:
 class BatchService:
     """The store, the runner and the request pipeline a batch line goes through."""
 
-    def __init__(self, ctx: ServingContext, settings: BatchSettings, keyring: Keyring):
-        self.ctx, self.settings, self.keyring = ctx, settings, keyring
+    def __init__(self, models: ModelRegistry, settings: BatchSettings, keyring: Keyring):
+        self.models, self.settings, self.keyring = models, settings, keyring
         self.store = Store(settings.directory())
         self.runner: BatchRunner | None = None
         # batch lines are templated and tokenized on their own threads at nice 10: never queued ahead of an
@@ -128,17 +128,16 @@ class BatchService:
     async def execute(self, endpoint: str, body: dict, owner: str) -> dict:
         """One batch line through the same validation, planning and engine path as an interactive request, at the
         batch priority; its tokens count against the owner's day limits and usage."""
-        ctx = self.ctx
-        if endpoint == "/v1/chat/completions":
-            req = validate_chat_request(body)
-            plan = await asyncio.get_running_loop().run_in_executor(self._planner, plan_chat, req, ctx)
-            run = ChatRun(plan, ctx)
-        else:
-            creq = validate_request(body)
-            cplan = await asyncio.get_running_loop().run_in_executor(self._planner, plan_request, creq, ctx)
-            run = CompletionRun(cplan, ctx)
-        with_priority(run.run, BATCH_PRIORITY)
-        answer = await run.collect(_never_disconnected)
+        chat = endpoint == "/v1/chat/completions"
+        req = validate_chat_request(body) if chat else validate_request(body)
+        async with self.models.lease(req.model) as lease:  # its model, loaded (and kept) while the line runs
+            ctx, loop = lease.ctx, asyncio.get_running_loop()
+            if chat:
+                run = ChatRun(await loop.run_in_executor(self._planner, plan_chat, req, ctx), ctx)
+            else:
+                run = CompletionRun(await loop.run_in_executor(self._planner, plan_request, req, ctx), ctx)
+            with_priority(run.run, BATCH_PRIORITY)
+            answer = await run.collect(_never_disconnected)
         key = self.keyring.named(owner)
         if key is not None:
             usage = answer["usage"]
@@ -161,8 +160,8 @@ class BatchService:
             self.store,
             self.settings,
             self.execute,
-            lambda m: m in self.ctx.served_names,
-            lambda: self.ctx.draining,
+            self.models.serves,
+            lambda: self.models.draining,
             self.paused,
         )
         self.runner.start()
@@ -178,12 +177,12 @@ class BatchService:
 
 
 def install_batch_api(
-    app: FastAPI, ctx: ServingContext, auth, settings: BatchSettings | None = None
+    app: FastAPI, models: ModelRegistry, auth, settings: BatchSettings | None = None
 ) -> BatchService:
     """Add the Files and Batch API routes to `app` (outside its OpenAPI document, which holds the contracts'
     operations); the caller starts and stops the returned service with the app."""
     settings = settings or BatchSettings()
-    service = BatchService(ctx, settings, auth.keyring)
+    service = BatchService(models, settings, auth.keyring)
     store = service.store
     install_files(app, store, settings, auth)
     route = {"dependencies": [Depends(auth)], "include_in_schema": False}

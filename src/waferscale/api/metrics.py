@@ -54,6 +54,46 @@ class EngineCollector:
             yield family
 
 
+class ModelsCollector:
+    """Every configured model's engine figures, labelled by model (a server of several models): loaded models'
+    engine stats at each scrape, plus each model's loaded state, loads and unloads."""
+
+    def __init__(self, registry):
+        self.registry = registry  # api.models_registry.ModelRegistry
+
+    def collect(self):
+        loaded = [(e.spec.name, e.ctx, e.ctx.engine.stats()) for e in self.registry.loaded()]
+        for name in EngineStats.GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, HELP[name], labels=["model"])
+            for model, _, stats in loaded:
+                family.add_metric([model], getattr(stats, name))
+            yield family
+        for name in (*EngineStats.COUNTERS, "rejected_requests"):
+            family = CounterMetricFamily(PREFIX + name, HELP.get(name, name), labels=["model"])
+            for model, ctx, stats in loaded:
+                value = ctx.rejected if name == "rejected_requests" else getattr(stats, name)
+                family.add_metric([model], value)
+            yield family
+        for name, help_text, attr in (
+            ("time_to_first_token_seconds", "arrival to first generated token", "ttft"),
+            ("inter_token_latency_seconds", "time between tokens of a sequence", "itl"),
+        ):
+            family = HistogramMetricFamily(PREFIX + name, help_text, labels=["model"])
+            for model, _, stats in loaded:
+                _add_histogram(family, [model], getattr(stats, attr))
+            yield family
+        state = GaugeMetricFamily(PREFIX + "model_loaded", "1 while the model is loaded, else 0", labels=["model"])
+        loads = CounterMetricFamily(PREFIX + "model_loads", "times the model was loaded", labels=["model"])
+        unloads = CounterMetricFamily(
+            PREFIX + "model_unloads", "times the model was unloaded to make room", labels=["model"]
+        )
+        for e in self.registry.entries:
+            state.add_metric([e.spec.name], 1.0 if e.state == "loaded" else 0.0)
+            loads.add_metric([e.spec.name], e.loads)
+            unloads.add_metric([e.spec.name], e.unloads)
+        yield from (state, loads, unloads)
+
+
 USAGE = {  # KeyUsage field -> (metric name, help)
     "requests": ("key_requests", "requests admitted, by key name"),
     "prompt_tokens": ("key_prompt_tokens", "prompt tokens of finished requests, by key name"),
@@ -80,21 +120,29 @@ class UsageCollector:
 
 def _histogram(name: str, help_text: str, h: HistogramSnapshot | None) -> HistogramMetricFamily:
     family = HistogramMetricFamily(PREFIX + name, help_text)
+    _add_histogram(family, [], h)
+    return family
+
+
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], h: HistogramSnapshot | None) -> None:
     if h is None:
-        return family
+        return
     buckets, running = [], 0
     for bound, count in zip(h.buckets, h.counts):
         running += count
         buckets.append((str(bound), running))
     buckets.append(("+Inf", running + h.counts[-1]))
-    family.add_metric([], buckets, h.total)
-    return family
+    family.add_metric(labels, buckets, h.total)
 
 
-def make_registry(snapshot: Callable[[], EngineStats], extra_counters: Callable[[], dict[str, float]]):
-    """A registry of the engine's figures plus process RSS, CPU seconds and open files (ProcessCollector)."""
+def make_registry(
+    snapshot: Callable[[], EngineStats] | None, extra_counters: Callable[[], dict[str, float]] | None
+):
+    """A registry of the engine's figures (none without `snapshot`: the caller registers its own) plus process RSS,
+    CPU seconds and open files (ProcessCollector)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(snapshot, extra_counters))
+    if snapshot is not None:
+        registry.register(EngineCollector(snapshot, extra_counters or dict))
     ProcessCollector(registry=registry)
     return registry
 

@@ -50,16 +50,20 @@ class ServingContext:
     collectors: list = field(default_factory=list)  # more prometheus collectors for /metrics (per-replica series)
 
 
+def unknown_model(name: str, served: list[str]) -> APIError:
+    """The hosted service's 404 for a model not served here, listing the names that are."""
+    return APIError(
+        404,
+        f"Model {name!r} does not exist or you do not have access to it; this server serves: {', '.join(served)}",
+        param="model",
+        code="model_not_found",
+    )
+
+
 def check_model(name: str, ctx: ServingContext) -> None:
     """404 in the hosted service's words when `name` is not served here."""
     if name not in ctx.served_names:
-        raise APIError(
-            404,
-            f"Model {name!r} does not exist or you do not have access to it; this server serves: "
-            f"{', '.join(ctx.served_names)}",
-            param="model",
-            code="model_not_found",
-        )
+        raise unknown_model(name, ctx.served_names)
 
 
 def check_capacity(num_sequences: int, ctx: ServingContext) -> None:

@@ -38,8 +38,9 @@ def reserve(request: Request, run: Run) -> None:
         retry = {} if math.isinf(exc.retry_after) else {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
         raise APIError(429, exc.message, param="quota", code=exc.code, headers=retry) from None
     key.usage.requests += 1
+    before = run.on_finish
 
-    def finished(run: Run) -> None:
+    def finished(run: Run) -> None:  # then the hook set before (a model's lease: api/models_registry.py)
         usage = run.usage()
         prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
         cached = usage["prompt_tokens_details"]["cached_tokens"]
@@ -47,6 +48,8 @@ def reserve(request: Request, run: Run) -> None:
         key.usage.cached_tokens += cached
         key.usage.completion_tokens += completion
         reservation.settle(prompt + completion, prompt - cached + completion)
+        if before is not None:
+            before(run)
 
     run.on_finish = finished
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 
 import msgpack
 from fastapi import Depends, FastAPI, Request
@@ -35,7 +36,8 @@ from waferscale.api.decoding import (
 )
 from waferscale.api.errors import FLAT_PATHS, APIError, install_handlers
 from waferscale.api.keys import KeyFileError
-from waferscale.api.metrics import CONTENT_TYPE, UsageCollector, make_registry, render
+from waferscale.api.metrics import CONTENT_TYPE, ModelsCollector, UsageCollector, make_registry, render
+from waferscale.api.models_registry import ModelRegistry
 from waferscale.api.pipeline import Run, ServingContext, check_capacity
 from waferscale.api.quota import RateLimitHeaders, reserve
 from waferscale.api.schemas import (
@@ -63,10 +65,12 @@ def post_doc(schema: str, headers: list[dict]) -> dict:
 
 
 def create_app(
-    ctx: ServingContext, api_keys: Keyring | list[str], batch: BatchSettings | None = None
+    served: ServingContext | ModelRegistry, api_keys: Keyring | list[str], batch: BatchSettings | None = None
 ) -> FastAPI:
-    """The app serving `ctx`'s model; the engine thread starts and stops with the app's lifespan. A Keyring with a
-    key file is re-read on SIGHUP. `batch` places and bounds the Files and Batch APIs' state."""
+    """The app serving one model (a ServingContext) or several (a ModelRegistry: a request's `model` picks its
+    engine); engine threads start and stop with the app's lifespan. A Keyring with a key file is re-read on SIGHUP.
+    `batch` places and bounds the Files and Batch APIs' state."""
+    models = served if isinstance(served, ModelRegistry) else ModelRegistry.single(served)
     # Tokenize on the calling thread, never on tokenizers' own pool: a long prompt is then tokenized at the low
     # priority of the thread that asked (pipeline.encode), and takes only the CPU the decoding streams leave.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -75,7 +79,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        ctx.engine.start()
+        models.start()
         batches.start()
         try:
             bodies.start()  # now: at the first large body its start would cost that request (and the streams)
@@ -89,7 +93,7 @@ def create_app(
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             bodies.close()
             await batches.stop()
-            ctx.engine.stop()
+            models.stop()
 
     app = FastAPI(
         title="waferscale",
@@ -99,48 +103,56 @@ def create_app(
     )
     install_handlers(app)
     app.add_middleware(RateLimitHeaders)
-    batches = install_batch_api(app, ctx, auth, batch)
+    batches = install_batch_api(app, models, auth, batch)
     queue_times = QueueTimes()  # interactive requests' recent queue times, for queue_threshold
 
     @app.get("/health", tags=["Server"])
     async def health() -> dict:
-        if not ctx.engine.healthy():  # the engine thread has ended: nothing will be served
+        if not models.healthy():  # an engine thread has ended: its model will not be served
             raise APIError(503, "the inference engine is not running", code="engine_unavailable")
-        return {"status": "ok"}
+        if not models.multi:
+            return {"status": "ok"}
+        return {"status": "ok", "models": {e.spec.name: e.describe() for e in models.entries}}
 
     @app.get("/v1/tcp_warming", tags=["Server"])
     async def tcp_warming() -> dict:
         """The official SDK calls this when a client is constructed; it answers at once."""
         return {"status": "ok"}
 
-    registry = make_registry(ctx.engine.stats, lambda: {"rejected_requests": ctx.rejected})
+    if models.multi:  # every series labelled by model
+        registry = make_registry(None, None)
+        registry.register(ModelsCollector(models))
+    else:
+        ctx = models.entries[0].ctx
+        registry = make_registry(ctx.engine.stats, lambda: {"rejected_requests": ctx.rejected})
+        for collector in ctx.collectors:
+            registry.register(collector)
     registry.register(UsageCollector(auth.keyring.usage))
-    for collector in ctx.collectors:
-        registry.register(collector)
 
     @app.get("/metrics", tags=["Server"], response_class=PlainTextResponse, dependencies=[Depends(auth)])
     async def metrics() -> str:  # (a Response returned as is; str keeps the documented schema)
         """Prometheus text format: engine queue, KV cache, prefix cache, latencies and the process's RSS and CPU."""
         return Response(render(registry), media_type=CONTENT_TYPE)
 
+    created = served.created if isinstance(served, ServingContext) else int(time.time())
+
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=ctx.created)
+        return ModelCard(id=name, created=created)
+
+    def served_card(name: str) -> dict:
+        """The hosted card plus, beyond its fields, whether the model is loaded now."""
+        return card(name).model_dump() | {"loaded": models.entry(name).state == "loaded"}
 
     @app.get("/v1/models", tags=["Models"], dependencies=[Depends(auth)])
     async def list_models() -> ModelList:
-        return ModelList(data=[card(n) for n in ctx.served_names])
+        if models.multi:
+            return JSONResponse({"object": "list", "data": [served_card(n) for n in models.names]})
+        return ModelList(data=[card(n) for n in models.names])
 
     @app.get("/v1/models/{model_id:path}", tags=["Models"], dependencies=[Depends(auth)])
     async def get_model(model_id: str) -> ModelCard:
-        if model_id not in ctx.served_names:
-            raise APIError(
-                404,
-                f"Model {model_id!r} does not exist or you do not have access to it; this server serves: "
-                f"{', '.join(ctx.served_names)}",
-                param="model",
-                code="model_not_found",
-            )
-        return card(model_id)
+        models.entry(model_id)  # 404 listing the names served
+        return JSONResponse(served_card(model_id)) if models.multi else card(model_id)
 
     async def read_body(request: Request) -> dict:
         """The decoded request body (JSON or msgpack, optionally gzip), read as a stream under MAX_BODY_BYTES
@@ -156,7 +168,7 @@ def create_app(
             return Response(msgpack.packb(result), media_type="application/msgpack")
         return JSONResponse(result)
 
-    def fault_after(request: Request) -> int | None:
+    def fault_after(request: Request, ctx: ServingContext) -> int | None:
         fault = request.headers.get("x-waferscale-fault-after", "")
         return int(fault) if ctx.fault_injection and fault.isdigit() else None
 
@@ -169,9 +181,11 @@ def create_app(
             log.info("%s request inert headers %s", kind, " ".join(f"{h}={v!r}" for h, v in inert.items()))
 
     async def respond(
-        request: Request, req: CompletionRequest | ChatCompletionRequest, run: CompletionRun | ChatRun
+        request: Request, req: CompletionRequest | ChatCompletionRequest, run: CompletionRun | ChatRun, lease
     ) -> Response:
-        """Queue a planned run under the caller's key limits and answer: a stream, or the whole body."""
+        """Queue a planned run under the caller's key limits and answer: a stream, or the whole body. The model's
+        lease is held until the run ends."""
+        lease.follow(run.run)
         run.run.cache_key = req.prompt_cache_key
         reserve(request, run.run)  # 429 over the key's limits, before anything is queued
         observe(run.run, queue_times)
@@ -193,10 +207,12 @@ def create_app(
     async def completions(request: Request):
         obj = await read_body(request)
         req = validate_request(obj)
-        plan = await run_in_threadpool(plan_request, req, ctx)  # tokenization stays off the event loop
-        check_capacity(len(plan.prompts) * plan.best_of, ctx)
-        trace(request, "completion", req.user)
-        return await respond(request, req, CompletionRun(plan, ctx, fault_after(request)))
+        async with models.lease(req.model) as lease:  # the engine of the request's model, loaded
+            ctx = lease.ctx
+            plan = await run_in_threadpool(plan_request, req, ctx)  # tokenization stays off the event loop
+            check_capacity(len(plan.prompts) * plan.best_of, ctx)
+            trace(request, "completion", req.user)
+            return await respond(request, req, CompletionRun(plan, ctx, fault_after(request, ctx)), lease)
 
     @app.post(
         "/v1/chat/completions",
@@ -213,14 +229,16 @@ def create_app(
     async def chat_completions(request: Request):
         obj = await read_body(request)
         req = validate_chat_request(obj)
-        plan = await run_in_threadpool(plan_chat, req, ctx)  # templating and tokenization off the event loop
-        check_capacity(plan.n, ctx)
-        trace(request, "chat", req.user)
-        run = ChatRun(plan, ctx, fault_after(request))
-        admit(request, req.service_tier.value if req.service_tier else None, run.run, queue_times)
-        return await respond(request, req, run)
+        async with models.lease(req.model) as lease:  # the engine of the request's model, loaded
+            ctx = lease.ctx
+            plan = await run_in_threadpool(plan_chat, req, ctx)  # templating and tokenization off the event loop
+            check_capacity(plan.n, ctx)
+            trace(request, "chat", req.user)
+            run = ChatRun(plan, ctx, fault_after(request, ctx))
+            admit(request, req.service_tier.value if req.service_tier else None, run.run, queue_times)
+            return await respond(request, req, run, lease)
 
-    add_tokenize_routes(app, ctx, auth, read_body)
+    add_tokenize_routes(app, models, auth, read_body)
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from waferscale.api.chat import conversation, render_prompt, validate_chat_request
 from waferscale.api.errors import APIError
+from waferscale.api.models_registry import ModelRegistry
 from waferscale.api.pipeline import ServingContext, check_model
 
 
@@ -78,16 +79,19 @@ def detokenize(req: DetokenizeRequest, ctx: ServingContext) -> dict:
     return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
 
-def add_tokenize_routes(app: FastAPI, ctx: ServingContext, auth, read_body) -> None:
-    """Register the two endpoints (under /v1 and, as vLLM serves them, at the root)."""
+def add_tokenize_routes(app: FastAPI, models: ModelRegistry, auth, read_body) -> None:
+    """Register the two endpoints (under /v1 and, as vLLM serves them, at the root); the request's model is
+    loaded if it is not."""
 
     async def tokenize_route(request: Request) -> dict:
         req = _validated(TokenizeRequest, await read_body(request))
-        return await run_in_threadpool(tokenize, req, ctx)
+        async with models.lease(req.model) as lease:
+            return await run_in_threadpool(tokenize, req, lease.ctx)
 
     async def detokenize_route(request: Request) -> dict:
         req = _validated(DetokenizeRequest, await read_body(request))
-        return await run_in_threadpool(detokenize, req, ctx)
+        async with models.lease(req.model) as lease:
+            return await run_in_threadpool(detokenize, req, lease.ctx)
 
     for prefix in ("/v1", ""):
         for path, route, schema in (("tokenize", tokenize_route, TokenizeRequest),

@@ -8,10 +8,13 @@ tokens of all constrained sequences in the batch at once, and `consume` advances
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
 from tokenizers import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 # Rules shared by every root. Whitespace follows llama.cpp's json.gbnf (one space, or one newline and up to 20 spaces
 # or tabs of indent), so a sampled document cannot drift into endless blank lines; nothing follows a complete value.
@@ -155,6 +158,8 @@ class GrammarMasks:
                 self._ll_tokenizer = llguidance.LLTokenizer(
                     self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._eos_ids
                 )
+                import torch  # here, not at the top: the API layer imports open_json_suffix without PyTorch
+
                 # no more mask threads than the engine's own: more would take CPUs from its OpenMP threads
                 self._executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
 
@@ -198,6 +203,8 @@ class GrammarMasks:
     def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """Allowed-token masks, one bool row per matcher (vocab_size wide)."""
         # llguidance.torch would do this, but importing it runs torch.compile's imports (~6 s at start-up)
+        import torch
+
         words = (self.vocab_size + 31) // 32
         bits = torch.full((len(matchers), words), -1, dtype=torch.int32)
         if len(matchers) == 1:  # on this thread: handing one mask to the executor's pool costs a thread wake-up

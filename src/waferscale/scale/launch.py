@@ -50,30 +50,21 @@ def serve_on_ray(args, api_keys: list[str]) -> None:
     except ImportError:
         _exit("--replicas needs Ray Serve: pip install 'waferscale[ray]'")
 
+    from waferscale.engine.settings import settings_from_args
     from waferscale.scale.autoscale import queue_and_kv_policy
     from waferscale.scale.board import StatsBoard
     from waferscale.scale.front import Front, FrontSettings
     from waferscale.scale.ray_router import AffinityRouter
-    from waferscale.scale.replica import EngineReplica, EngineSettings
+    from waferscale.scale.replica import EngineReplica
 
     ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
     try:
         cpus = ray.cluster_resources().get("CPU", 0)
         low, high, threads = layout(args, cpus)
         serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
-        settings = EngineSettings(
+        settings = settings_from_args(args).replace(
             model=os.path.abspath(args.model) if args.model else None,  # replicas do not run in our directory
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            kv_cache_memory=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_cache=not args.no_prefix_cache,
-            queue_timeout=args.queue_timeout,
             threads=threads,
-            quantization=args.quantization,
-            speculative=args.speculative,
-            num_speculative_tokens=args.num_speculative_tokens,
         )
         quiet = LoggingConfig(enable_access_log=False)  # a log line per call costs CPU; the plain server has none
         chooser = {"request_router_class": AffinityRouter} if args.routing == "affinity" else {}

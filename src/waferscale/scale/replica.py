@@ -8,30 +8,11 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-from waferscale.engine import AsyncEngine, GenerationEvent, LLMEngine, SamplingParams
+from waferscale.engine import AsyncEngine, EngineSettings, GenerationEvent, SamplingParams
 from waferscale.scale.board import REPORT_EVERY_S
 
 log = logging.getLogger("waferscale.scale")
-
-
-@dataclass
-class EngineSettings:
-    """What an engine replica is built from (the CLI's engine options)."""
-
-    model: str | None
-    dtype: str
-    max_model_len: int | None
-    kv_cache_memory: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    enable_prefix_cache: bool
-    queue_timeout: float
-    threads: int
-    quantization: str = "auto"
-    speculative: str = "ngram"
-    num_speculative_tokens: int = 8
 
 
 class EngineReplica:
@@ -39,35 +20,12 @@ class EngineReplica:
 
     def __init__(self, settings: EngineSettings, board):
         import ray
-        import torch
         from ray import serve
 
-        from waferscale.cli import _in_passing_thread
-        from waferscale.engine.speculation import SpeculativeConfig
-        from waferscale.models import load_model
+        from waferscale.engine import build_engine
 
-        torch.set_num_threads(settings.threads)
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")  # as cli.serve does, before the first GEMM
-
-        def build():
-            loaded = load_model(
-                settings.model,
-                dtype=settings.dtype,
-                max_model_len=settings.max_model_len,
-                quantization=settings.quantization,
-            )
-            engine = LLMEngine(
-                loaded,
-                kv_cache_bytes=settings.kv_cache_memory,
-                max_num_seqs=settings.max_num_seqs,
-                max_num_batched_tokens=settings.max_num_batched_tokens,
-                enable_prefix_cache=settings.enable_prefix_cache,
-                queue_timeout=settings.queue_timeout,
-                speculative=SpeculativeConfig(settings.speculative, settings.num_speculative_tokens),
-            )
-            return loaded, engine
-
-        self.loaded, engine = _in_passing_thread(build)
+        built = build_engine(settings)  # the CLI's own builder: same caches, threads, load
+        self.loaded, engine = built.loaded, built.engine
         self.engine = AsyncEngine(engine)
         self.engine.start()
         self.id = serve.get_replica_context().replica_id.unique_id
