@@ -45,13 +45,21 @@ class EngineCollector:
         yield _histogram("time_to_first_token_seconds", "arrival to first generated token", stats.ttft)
         yield _histogram("inter_token_latency_seconds", "time between tokens of a sequence", stats.itl)
         if stats.expert_load:  # a mixture of experts: routing skew, per sparse layer and expert
-            family = CounterMetricFamily(
-                PREFIX + "expert_routed_tokens", "tokens routed to each expert, by layer", labels=["layer", "expert"]
-            )
-            for layer, counts in sorted(stats.expert_load.items()):
-                for expert, count in enumerate(counts):
-                    family.add_metric([str(layer), str(expert)], count)
+            family = _expert_family([])
+            _add_expert_load(family, [], stats.expert_load)
             yield family
+
+
+def _expert_family(labels: list[str]) -> CounterMetricFamily:
+    return CounterMetricFamily(
+        PREFIX + "expert_routed_tokens", "tokens routed to each expert, by layer", labels=[*labels, "layer", "expert"]
+    )
+
+
+def _add_expert_load(family: CounterMetricFamily, labels: list[str], load: dict[int, list[int]]) -> None:
+    for layer, counts in sorted(load.items()):
+        for expert, count in enumerate(counts):
+            family.add_metric([*labels, str(layer), str(expert)], count)
 
 
 class ModelsCollector:
@@ -82,6 +90,11 @@ class ModelsCollector:
             for model, _, stats in loaded:
                 _add_histogram(family, [model], getattr(stats, attr))
             yield family
+        experts = _expert_family(["model"])
+        for model, _, stats in loaded:
+            _add_expert_load(experts, [model], stats.expert_load)
+        if experts.samples:
+            yield experts
         state = GaugeMetricFamily(PREFIX + "model_loaded", "1 while the model is loaded, else 0", labels=["model"])
         loads = CounterMetricFamily(PREFIX + "model_loads", "times the model was loaded", labels=["model"])
         unloads = CounterMetricFamily(
