@@ -35,7 +35,7 @@ def _chat_cerebras(server) -> ChatCerebras:
     )
 
 
-@pytest.mark.parametrize("method", [None, "json_schema", "function_calling", "json_mode"])
+@pytest.mark.parametrize("method", [None, "json_mode"])  # None: function_calling; json_schema: below, strict
 def test_langchain_with_structured_output_gives_a_valid_pydantic_object(server, method):
     llm = _chat_cerebras(server)
     kwargs = {} if method is None else {"method": method}  # None: the framework's default method
@@ -51,7 +51,7 @@ def test_langchain_strict_structured_output(server):
     assert isinstance(ticket, Ticket)
 
 
-@pytest.mark.parametrize("mode", [instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA])
+@pytest.mark.parametrize("mode", [instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA])  # its two families
 def test_instructor_response_model(server, mode):
     client = instructor.from_openai(openai_for(server.url), mode=mode)
     ticket = client.chat.completions.create(

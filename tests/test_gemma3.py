@@ -26,11 +26,13 @@ def gemma_pair(gemma3_gguf):
     from waferscale.models import load_model
 
     ours = load_model("gemma-3-270m", dtype="float32", quantization="none", progress=False)
-    torch.set_num_threads(1)
     ref = AutoModelForCausalLM.from_pretrained(
         str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name, dtype=torch.float32
     ).eval()
-    return ref, ours
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # for this module's comparisons only: later tests keep every core
+    yield ref, ours
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
