@@ -304,3 +304,16 @@ def test_a_chat_prompt_over_the_context_names_messages(ctx):
         plan_chat(req, ctx)
     assert info.value.param == "messages" and info.value.code == "context_length_exceeded"
     assert "while limit is 20" in info.value.message
+
+
+def test_an_sse_event_stays_one_line_whatever_characters_the_text_holds():
+    """httpx's iter_lines splits at str.splitlines()'s line ends (U+2028, NEL, ...): the event's JSON escapes them."""
+    import json
+
+    from waferscale.api.pipeline import sse
+
+    body = {"text": "a\u2028b\u2029c\x85d\x1ce\x1df\x1eg\x0bh\x0ci é"}
+    event = sse(body)
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    assert len(event.strip().splitlines()) == 1
+    assert json.loads(event[len("data: "):]) == body

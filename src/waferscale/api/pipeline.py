@@ -393,8 +393,15 @@ async def _watch(is_disconnected, tasks: list[asyncio.Task]) -> None:
             return
 
 
+# characters that str.splitlines() (httpx's iter_lines, and so its users) takes for line ends; JSON may hold them raw
+_LINE_BREAKS = {c: f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+_ESCAPE_LINE_BREAKS = str.maketrans(_LINE_BREAKS)
+
+
 def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    """One SSE event; the JSON escapes every character a client might split a line at, so one event stays one line."""
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_ESCAPE_LINE_BREAKS)
+    return f"data: {text}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
