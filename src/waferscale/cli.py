@@ -9,6 +9,8 @@ import os
 import sys
 import threading
 
+from waferscale.sizes import size_bytes
+
 MAX_HEADER_BYTES = 64 * 1024  # request line plus headers; request bodies are bounded in api.decoding
 
 
@@ -59,24 +61,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def parse_size(text: str) -> int:
     """Bytes from '1073741824', '512MiB', '2GiB', '1.5GB'."""
-    units = {
-        "": 1,
-        "k": 1e3,
-        "kb": 1e3,
-        "kib": 2**10,
-        "m": 1e6,
-        "mb": 1e6,
-        "mib": 2**20,
-        "g": 1e9,
-        "gb": 1e9,
-        "gib": 2**30,
-    }
-    t = str(text).strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    try:
-        return int(float(num) * units[t[len(num) :].strip()])
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GiB)") from None
+    size = size_bytes(text)
+    if size is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GiB)")
+    return size
 
 
 def _add_scale_args(p: argparse.ArgumentParser) -> None:

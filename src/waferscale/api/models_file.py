@@ -12,6 +12,7 @@ from pathlib import Path
 from waferscale.api.models_registry import ModelSpec
 from waferscale.engine.settings import EngineSettings, SettingsError
 from waferscale.models.source import BUILTIN_MODELS
+from waferscale.sizes import size_bytes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -125,7 +126,7 @@ def _spec(path: Path, text: str, i: int, table: dict, defaults: EngineSettings) 
         if field is None:
             continue
         if key == "kv_cache_memory" and isinstance(value, str):
-            value = _size(value)
+            value = size_bytes(value)
             if value is None:
                 raise fail(key, f"kv_cache_memory = {table[key]!r} is not a size (examples: 256MiB, 2GiB)")
         if key == "path":  # relative to the file's folder, unless a built-in name
@@ -137,29 +138,6 @@ def _spec(path: Path, text: str, i: int, table: dict, defaults: EngineSettings) 
     except SettingsError as exc:
         raise fail(None, f"model {table['name']!r}: {exc}") from None
     return ModelSpec(table["name"], settings, tuple(aliases), bool(table.get("pinned", False)))
-
-
-def _size(text: str) -> int | None:
-    """Bytes from '512MiB', '2GiB', '1.5GB', '1073741824' (None when not a size)."""
-    units = {
-        "": 1,
-        "k": 1e3,
-        "kb": 1e3,
-        "kib": 2**10,
-        "m": 1e6,
-        "mb": 1e6,
-        "mib": 2**20,
-        "g": 1e9,
-        "gb": 1e9,
-        "gib": 2**30,
-    }
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in units:
-        return None
-    try:
-        return int(float(m.group(1)) * units[m.group(2).lower()])
-    except ValueError:
-        return None
 
 
 def _line(text: str, index: int | None, key: str | None) -> int:
