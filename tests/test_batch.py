@@ -38,7 +38,7 @@ def batch_server(tmp_path_factory):
     keys.write_text(KEYS)
     data = tmp_path_factory.mktemp("data")
     s = Server(
-        "--api-keys-file", str(keys), "--data-dir", str(data), "--batch-min-requests", "2",
+        "--api-keys-file", str(keys), "--data-dir", str(data), "--batch-min-requests", "2", "--batch-concurrency", "4",
         "--served-model-name", "llama3.1-8b",
     )  # fmt: skip
     yield s

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import json
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 import jsonschema
 from conftest import MODEL
@@ -68,6 +68,35 @@ def test_openai_sdk_strict_pydantic_tool(openai_client):
     call = completion.choices[0].message.tool_calls[0]
     assert call.function.name == "save_city" and isinstance(call.function.parsed_arguments, City)
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+class Cat(BaseModel):
+    kind: Literal["cat"]
+    lives: int = Field(ge=0, le=9)
+
+
+class Dog(BaseModel):
+    kind: Literal["dog"]
+    name: str = Field(max_length=12)
+
+
+class Owner(BaseModel):
+    name: str = Field(max_length=20)
+    pet: Annotated[Union[Cat, Dog], Field(discriminator="kind")]  # noqa: UP007 - as users write it
+
+
+def test_openai_sdk_parse_with_a_discriminated_union(openai_client):
+    """Pydantic writes a discriminated union as oneOf + discriminator: accepted in strict mode and enforced."""
+    completion = openai_client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Alice has a cat. Answer as JSON."}],
+        response_format=Owner,
+        max_tokens=80,
+        temperature=0,
+    )
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, Owner) and isinstance(message.parsed.pet, (Cat, Dog))
+    jsonschema.validate(json.loads(message.content), to_strict_json_schema(Owner))
 
 
 # As zod-to-json-schema writes z.object({...}) (definitionPath "$defs"); the Zod calls are in the comments.

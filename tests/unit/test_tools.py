@@ -535,7 +535,11 @@ S = "response_format.json_schema.schema"
             f"{S}.properties.a.items",
             ["prefixItems"],
         ),
-        (_obj({"a": {"oneOf": [{"type": "string"}]}}), f"{S}.properties.a.oneOf", ["'oneOf'", "anyOf"]),
+        (
+            _obj({"a": {"oneOf": [{"type": "null"}] + [{"type": "string"}] * 5}}),
+            f"{S}.properties.a.oneOf",
+            ["oneOf"],
+        ),
         (
             _obj({"a": {"allOf": [{"type": "string"}, {"maxLength": 3}]}}),
             f"{S}.properties.a.allOf",
@@ -581,6 +585,36 @@ def test_strict_schema_rejections(schema, param, words):
         assert w in e.value.message, e.value.message
     with pytest.raises(APIError):  # the same check runs inside response_format_grammar
         response_format_grammar(_rf(schema))
+
+
+def _pet(kind: str, **extra) -> dict:
+    return _obj({"kind": {"type": "string", "const": kind}, **extra})
+
+
+PETS = {
+    **_obj(
+        {
+            "pet": {
+                "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                "discriminator": {"propertyName": "kind", "mapping": {"cat": "#/$defs/Cat", "dog": "#/$defs/Dog"}},
+            }
+        }
+    ),
+    "$defs": {"Cat": _pet("cat", lives={"type": "integer"}), "Dog": _pet("dog", bark={"type": "string"})},
+}
+
+
+def test_strict_schema_accepts_a_discriminated_union():
+    """Pydantic's discriminated unions write oneOf + discriminator; the const tags make the branches exclusive."""
+    assert '"oneOf"' in response_format_grammar(_rf(PETS))
+
+
+def test_strict_schema_refuses_a_oneof_whose_branches_overlap():
+    schema = _obj({"a": {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}})
+    with pytest.raises(APIError) as e:
+        response_format_grammar(_rf(schema))
+    assert e.value.status_code == 400
+    assert "'oneOf' branches could overlap" in e.value.message and "const" in e.value.message
 
 
 def test_strict_schema_accepts_the_subset():

@@ -41,7 +41,10 @@ FORMATS = frozenset(
     {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
 )
 TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
-_NODE_KEYWORDS = frozenset({"type", "enum", "const", "anyOf", "allOf", "$ref"})
+_NODE_KEYWORDS = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"})
+# OpenAPI's tag beside a union (Pydantic writes it for discriminated unions); llguidance reads it to prove the
+# branches of a oneOf exclusive.
+_UNION_ANNOTATIONS = frozenset({"discriminator"})
 _NUMERIC_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
 # Keywords that constrain one type, all enforced by llguidance while decoding.
 _TYPE_KEYWORDS = {
@@ -53,14 +56,13 @@ _TYPE_KEYWORDS = {
 }
 _COUNTS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"})
 _SUPPORTED = (
-    "type, enum, const, anyOf, allOf (one schema), $ref/$defs; objects: properties, required, "
-    "additionalProperties: false, minProperties, maxProperties; arrays: items, prefixItems, minItems, maxItems; "
+    "type, enum, const, anyOf, oneOf (branches that exclude each other), allOf (one schema), $ref/$defs; "
+    "objects: properties, required, additionalProperties: false, minProperties, maxProperties; arrays: items, prefixItems, minItems, maxItems; "
     "strings: format, pattern, minLength, maxLength; numbers: minimum, maximum, exclusiveMinimum, "
     "exclusiveMaximum, multipleOf; annotations such as description"
 )
 _HINTS = {
     "definitions": "'definitions' is not supported in JSON schema. Use '$defs' instead",
-    "oneOf": "'oneOf' is not supported in strict JSON schema; use 'anyOf' (at most 5 branches)",
     "nullable": '\'nullable\' is not supported in JSON schema; use anyOf with {"type": "null"}',
 }
 
@@ -81,7 +83,8 @@ def validate_strict_schema(schema: dict, param: str) -> None:
     anyOf has 1..5 branches; $ref points to "#" or "#/$defs/<name>", $defs at the root; objects list every property
     in `required` and set `additionalProperties: false`; arrays give `items` (a schema, or false). Beyond them, every
     keyword llguidance enforces while decoding is accepted (string length, pattern, format, numeric bounds and
-    multipleOf, array and object sizes, prefixItems, a one-schema allOf); annotations (title, description, default,
+    multipleOf, array and object sizes, prefixItems, a one-schema allOf, a oneOf whose branches llguidance proves
+    exclusive, as a discriminated union's are); annotations (title, description, default,
     examples, "x-" extensions, ...) are accepted and ignored. Anything else is refused, naming the keyword.
     """
     if not isinstance(schema, dict):
@@ -129,6 +132,8 @@ def _check_node(node: Any, path: str, defs: dict, *, root: bool, depth: int) -> 
             param=f"{path}.type",
         )
     allowed = _NODE_KEYWORDS | _TYPE_KEYWORDS.get(kind, frozenset()) | ({"$defs"} if root else set())
+    if "anyOf" in node or "oneOf" in node:
+        allowed |= _UNION_ANNOTATIONS
     for key in node:
         if key in allowed or _is_annotation(key):
             continue
@@ -148,7 +153,7 @@ def _check_node(node: Any, path: str, defs: dict, *, root: bool, depth: int) -> 
             param=f"{path}.{key}",
         )
     if not _NODE_KEYWORDS & set(node):
-        raise APIError(400, "Each schema needs 'type', 'enum', 'const', 'anyOf' or '$ref'.", param=path)
+        raise APIError(400, "Each schema needs 'type', 'enum', 'const', 'anyOf', 'oneOf' or '$ref'.", param=path)
     if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
         raise APIError(400, "'enum' must be a non-empty list of values.", param=f"{path}.enum")
     if "$ref" in node:
@@ -159,12 +164,14 @@ def _check_node(node: Any, path: str, defs: dict, *, root: bool, depth: int) -> 
                 f"'$ref' {ref!r} does not name a schema; use '#/$defs/<name>' with <name> defined in '$defs'.",
                 param=f"{path}.$ref",
             )
-    if "anyOf" in node:
-        branches = node["anyOf"]
+    for union in ("anyOf", "oneOf"):
+        if union not in node:
+            continue
+        branches = node[union]
         if not isinstance(branches, list) or not 1 <= len(branches) <= MAX_ANY_OF:
-            raise APIError(400, f"'anyOf' must list 1 to {MAX_ANY_OF} schemas.", param=f"{path}.anyOf")
+            raise APIError(400, f"'{union}' must list 1 to {MAX_ANY_OF} schemas.", param=f"{path}.{union}")
         for i, sub in enumerate(branches):
-            _check_node(sub, f"{path}.anyOf[{i}]", defs, root=False, depth=depth + 1)
+            _check_node(sub, f"{path}.{union}[{i}]", defs, root=False, depth=depth + 1)
     if "allOf" in node:
         if not isinstance(node["allOf"], list) or len(node["allOf"]) != 1:
             raise APIError(
@@ -291,7 +298,7 @@ def _strip_annotations(node: Any) -> Any:
             continue
         if key in ("properties", "$defs"):
             value = {k: _strip_annotations(v) for k, v in value.items()}
-        elif key in ("anyOf", "allOf", "prefixItems"):
+        elif key in ("anyOf", "oneOf", "allOf", "prefixItems"):
             value = [_strip_annotations(v) for v in value]
         elif key == "items":
             value = _strip_annotations(value)
@@ -323,6 +330,12 @@ def schema_rule(schema: Any, param: str, *, strict: bool, what: str) -> str:
         validate_strict_schema(schema, param)
         rule = json_rule(_strip_annotations(schema))
         err = _compile_error(f"start: x\nx: {rule}\n")
+        if err and "oneOf" in err:
+            err = (
+                "its 'oneOf' branches could overlap, so exactly-one cannot be enforced; give each branch a "
+                "property with its own 'const' (a discriminator, as Pydantic's discriminated unions do) or use "
+                "'anyOf'"
+            )
         if err:
             raise APIError(
                 400, f"The {what} schema cannot be used for constrained decoding: {err}", param=param
