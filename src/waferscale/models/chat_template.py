@@ -27,44 +27,18 @@ What transformers does not do, and we add on top:
   prompt), ChatML for every other family (`DEFAULT_CHATML`: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per
   message, then `<|im_start|>assistant\\n`). Unlike Gemma's own template, the default accepts any order of roles.
 * A `developer` message becomes a `system` message unless the template itself knows the role.
-* gpt-oss's harmony template (it writes `<|channel|>`; `harmony`, `tool_syntax == "harmony"`) renders one call per
-  assistant message: a message with several `tool_calls` is split into one message per call, each followed by its
-  result (transformers renders only the first call and names every result after it). The template makes only a
-  first system/developer message the instructions and drops any other: every system and developer message is
-  joined (blank line between) into one first message. `reasoning_effort` reaches the template as a variable when
-  the caller sets it, as transformers passes extra keyword arguments.
+* gpt-oss's harmony template (it writes `<|channel|>`; `harmony`, `tool_syntax == "harmony"`): the conversation
+  is rewritten first (`chat_rewrites.harmony_messages`: one call per assistant message, every system and developer
+  message joined into the first). `reasoning_effort` reaches the template as a variable when the caller sets it,
+  as transformers passes extra keyword arguments.
+* Tool fallback, for templates that do not render `tools` themselves (such as the built-in SmolLM2's plain
+  ChatML template): the conversation is rewritten in the Hermes style that Qwen2.5/Qwen3 templates use
+  (`chat_rewrites.apply_tool_fallback`, which documents the text), so the template only ever sees
+  system/user/assistant text; the model is expected to answer with `<tool_call>` blocks (`tool_syntax ==
+  "hermes"`).
 * Where the template fails on a message whose content is null (transformers drops the key, and templates such
   as Qwen3's read an assistant turn's content as text even when it only holds tool calls), the conversation is
   rendered again with "" for those contents. Conversations transformers renders are never affected.
-* Tool fallback, for templates that do not render `tools` themselves (such as the built-in SmolLM2's plain
-  ChatML template): the conversation is rewritten in the Hermes style that Qwen2.5/Qwen3 templates use, so
-  the template only ever sees system/user/assistant text (history is rewritten even when no tools are given):
-
-  - When tools are given, the tool block is appended to the first system message after a blank line ("\\n\\n"),
-    or becomes a new first system message when there is none::
-
-        # Tools
-
-        You may call one or more functions to assist with the user query.
-
-        You are provided with function signatures within <tools></tools> XML tags:
-        <tools>
-        {"type": "function", "function": {"name": ..., "description": ..., "parameters": ...}}
-        </tools>
-
-        For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-        <tool_call>
-        {"name": <function-name>, "arguments": <args-json-object>}
-        </tool_call>
-
-    (one tool per line, each as `json.dumps(tool, ensure_ascii=False)`, exactly as the client sent it).
-  - An assistant message's `tool_calls` become text in its content: the content (if any) then a newline, then for
-    each call `<tool_call>\\n{"name": "<name>", "arguments": <arguments as JSON, or the raw string when it was not
-    valid JSON>}\\n</tool_call>`, calls separated by a newline.
-  - `tool` messages become a user message; consecutive tool results share one user message, each as
-    `<tool_response>\\n<content>\\n</tool_response>`, joined by a newline.
-
-  The model is expected to answer with `<tool_call>` blocks (`tool_syntax == "hermes"`).
 """
 
 from __future__ import annotations
@@ -81,6 +55,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from waferscale.models.chat_rewrites import apply_tool_fallback, fallback_tools_block, harmony_messages
 from waferscale.models.default_templates import DEFAULT_CHATML, DEFAULT_GEMMA, default_chat_template
 
 if TYPE_CHECKING:
@@ -103,15 +78,6 @@ class TemplateError(Exception):
 # Names a message's reasoning arrives under; the first is the one templates read (transformers' _REASONING_FIELDS).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
-TOOL_FALLBACK_INSTRUCTIONS = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-)
-_TOOL_FALLBACK_HEADER = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
 _PROBE_TOOL_NAME = "waferscale_probe_tool_7f3a9c"
 
 
@@ -223,99 +189,6 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-# ---------------------------------------------------------------- the tool fallback
-
-
-def _tool_call_text(call: Mapping[str, Any]) -> str:
-    fn = call.get("function") if isinstance(call.get("function"), Mapping) else call
-    name = fn.get("name", "")
-    args = fn.get("arguments", {})
-    if args is None:
-        args = {}
-    args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {args_text}}}\n</tool_call>'
-
-
-def fallback_tools_block(tools: list[dict]) -> str:
-    """The Hermes-style tool definitions and calling instruction put in the system turn."""
-    lines = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
-    return _TOOL_FALLBACK_HEADER + lines + TOOL_FALLBACK_INSTRUCTIONS
-
-
-def _apply_tool_fallback(messages: list[dict], tools: list[dict] | None) -> list[dict]:
-    """Rewrite tool definitions, assistant tool_calls and tool results as text (see the module docstring)."""
-    out: list[dict] = []
-    for message in messages:
-        role = message.get("role")
-        if role == "assistant" and message.get("tool_calls"):
-            message = dict(message)
-            calls = "\n".join(_tool_call_text(c) for c in message.pop("tool_calls") if isinstance(c, Mapping))
-            content = message.get("content")
-            content = content if isinstance(content, str) else ""
-            message["content"] = content + "\n" + calls if content else calls
-        elif role == "tool":
-            content = message.get("content")
-            block = "<tool_response>\n" + (content if isinstance(content, str) else "") + "\n</tool_response>"
-            if out and out[-1].get("_tool_results"):
-                out[-1]["content"] += "\n" + block
-                continue
-            message = {"role": "user", "content": block, "_tool_results": True}
-        out.append(message)
-    for message in out:
-        message.pop("_tool_results", None)
-    if tools:
-        block = fallback_tools_block(tools)
-        if out and out[0].get("role") == "system":
-            content = out[0].get("content")
-            content = content if isinstance(content, str) else ""
-            out[0] = {**out[0], "content": content + "\n\n" + block if content else block}
-        else:
-            out.insert(0, {"role": "system", "content": block})
-    return out
-
-
-def _instructions_first(messages: list[dict]) -> list[dict]:
-    """Every system and developer message as one first message, their texts joined by a blank line: gpt-oss's
-    template makes only a first system/developer message its developer instructions and drops any other, and the
-    hosted service feeds both roles to that layer. A conversation with at most one, first, is unchanged."""
-    instructions = [m for m in messages if m.get("role") in ("system", "developer")]
-    if not instructions or (len(instructions) == 1 and messages[0] is instructions[0]):
-        return messages
-    texts = [m["content"] for m in instructions if isinstance(m.get("content"), str) and m["content"]]
-    rest = [m for m in messages if m.get("role") not in ("system", "developer")]
-    return [{"role": "developer", "content": "\n\n".join(texts)}, *rest] if texts else rest
-
-
-def _one_call_per_message(messages: list[dict]) -> list[dict]:
-    """Harmony writes one call per assistant message, answered by its result: an assistant message with several
-    tool_calls becomes one message per call (the first keeps the content and reasoning), each followed by the tool
-    message that answers it. gpt-oss's template renders only a message's first call (and names every following
-    result after it), so a conversation with parallel calls would otherwise lose calls."""
-    out: list[dict] = []
-    i = 0
-    while i < len(messages):
-        message = messages[i]
-        calls = message.get("tool_calls") if message.get("role") == "assistant" else None
-        if not isinstance(calls, list) or len(calls) < 2:
-            out.append(message)
-            i += 1
-            continue
-        j = i + 1
-        while j < len(messages) and messages[j].get("role") == "tool":
-            j += 1
-        results = {m.get("tool_call_id"): m for m in messages[i + 1 : j]}
-        for k, call in enumerate(calls):
-            out.append(
-                {**message, "tool_calls": [call]} if k == 0 else {"role": "assistant", "tool_calls": [call]}
-            )
-            answer = results.pop(call.get("id") if isinstance(call, Mapping) else None, None)
-            if answer is not None:
-                out.append(answer)
-        out.extend(results.values())
-        i = j
-    return out
-
-
 # ---------------------------------------------------------------- the template
 
 
@@ -412,10 +285,10 @@ class ChatTemplate:
                 if m.get("role") == "developer":
                     m["role"] = "system"
         if not self.supports_tools:
-            messages = _apply_tool_fallback(messages, tools)
+            messages = apply_tool_fallback(messages, tools)
             tools = None
         if self.harmony:
-            messages = _one_call_per_message(_instructions_first(messages))
+            messages = harmony_messages(messages)
         extra = {"reasoning_effort": reasoning_effort} if reasoning_effort is not None else {}
         return self._render(messages, tools, add_generation_prompt, enable_thinking, extra)
 
