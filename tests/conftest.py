@@ -102,7 +102,7 @@ _GGUF_READERS: dict = {}
 
 @contextlib.contextmanager
 def reused_gguf_parsing():
-    """While transformers loads the built-in GGUF: one gguf.GGUFReader per file for the session, and one tensor-name
+    """While transformers loads a GGUF (the built-in's, Gemma 3's): one gguf.GGUFReader per file for the session, and one tensor-name
     map per load. transformers parses the file anew for the config, the weights and the tokenizer (3-6 s each on
     the 2-core machine) and rebuilds gguf's name map for each of its 397 tensors (7 s); the same library code still
     reads the same bytes, once."""
@@ -153,7 +153,8 @@ def gemma_tokenizers(gemma3_gguf):
     from waferscale.models.tokenizer import ModelTokenizer
 
     ours = ModelTokenizer.from_gguf_metadata(read_gguf_file(gemma3_gguf).metadata)
-    theirs = GemmaTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
+    with reused_gguf_parsing():
+        theirs = GemmaTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
     return ours, theirs
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Server, cerebras_for, openai_for
+from conftest import Server, cerebras_for, openai_for, reused_gguf_parsing
 
 NEW_TOKENS = 12
 PROMPTS = {
@@ -26,9 +26,10 @@ def gemma_pair(gemma3_gguf):
     from waferscale.models import load_model
 
     ours = load_model("gemma-3-270m", dtype="float32", quantization="none", progress=False)
-    ref = AutoModelForCausalLM.from_pretrained(
-        str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name, dtype=torch.float32
-    ).eval()
+    with reused_gguf_parsing():  # its 262k-token vocabulary makes each parse of the file cost ~15 s
+        ref = AutoModelForCausalLM.from_pretrained(
+            str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name, dtype=torch.float32
+        ).eval()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # for this module's comparisons only: later tests keep every core
     yield ref, ours
