@@ -29,7 +29,7 @@ from waferscale.api.pipeline import (
     check_model,
     encode,
     prompt_overflows,
-    resolve_logit_bias,
+    sampling_params,
     sse,
     stop_list,
     token_limits,
@@ -232,17 +232,13 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
     if req.prediction is not None:
         predicted = _text(req.prediction.content, "prediction.content") or ""
         prediction = encode(ctx.tokenizer.tokenizer, predicted, add_special_tokens=False).ids
-    params = SamplingParams(
+    params = sampling_params(
+        req,
+        ctx,
         max_tokens=limit,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        seed=req.seed,
         min_tokens=least,
         stop=stop_list(req.stop) + ([RETURN, CALL] if template.harmony else []),
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        logit_bias=resolve_logit_bias(req.logit_bias, ctx),
         lark=grammar,
         prediction=prediction or None,
         skip_special_tokens=not template.harmony,  # harmony's channels are special tokens the parser reads

@@ -18,6 +18,7 @@ from waferscale.api.pipeline import (
     encode,
     prompt_overflows,
     resolve_logit_bias,
+    sampling_params,
     sse,
     stop_list,
     token_limits,
@@ -98,18 +99,15 @@ def plan_request(req: CompletionRequest, ctx: ServingContext) -> Plan:
             len(p.ids), req.max_tokens, req.min_tokens, ctx, max_param="max_tokens"
         )
         params.append(
-            SamplingParams(
+            sampling_params(
+                req,
+                ctx,
                 max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                seed=req.seed,
                 min_tokens=min_tokens,
                 stop=stop,
                 logprobs=req.logprobs,
-                prompt_logprobs=echo and req.logprobs is not None,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                presence_penalty=req.presence_penalty or 0.0,
                 logit_bias=logit_bias,
+                prompt_logprobs=echo and req.logprobs is not None,
                 grammar=req.grammar_root,
             )
         )

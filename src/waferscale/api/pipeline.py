@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from waferscale.api.errors import APIError, engine_error
 from waferscale.engine import (
@@ -210,6 +211,36 @@ def token_limits(
         raise APIError(400, message, param=max_param, code="context_length_exceeded")
     least = room if min_tokens == -1 else (min_tokens or 0)
     return limit, min(least, limit)
+
+
+def sampling_params(
+    req: Any,
+    ctx: ServingContext,
+    *,
+    max_tokens: int,
+    min_tokens: int,
+    stop: list[str],
+    logprobs: int | None,
+    logit_bias: dict[int, float] | None = None,
+    **own: Any,
+) -> SamplingParams:
+    """The engine's SamplingParams for a request of either front, built here once: the sampling fields both
+    contracts share (temperature, top_p, seed, penalties, logit_bias) with the hosted API's defaults, the resolved
+    lengths, stops and logprobs, and the front's own fields (`own`: grammar, lark, prediction, ...).
+    `logit_bias` already resolved (a completions request shares it across prompts) or None to resolve it here."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        seed=req.seed,
+        stop=stop,
+        logprobs=logprobs,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        logit_bias=resolve_logit_bias(req.logit_bias, ctx) if logit_bias is None else logit_bias,
+        **own,
+    )
 
 
 @dataclass
