@@ -78,7 +78,9 @@ def rope_inv_freq(
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for every position up to the context length, computed as transformers does."""
+    """cos/sin rows computed for the positions of each step, as transformers computes them (float32 products of
+    position and inverse frequency, then cos/sin, scaled): no table over the whole context, which at 32k-128k
+    positions would hold 16-134 MB a model for rows a step mostly never reads."""
 
     def __init__(
         self,
@@ -91,15 +93,18 @@ class Rotary(nn.Module):
     ):
         super().__init__()
         inv_freq, scale = rope_inv_freq(head_dim, theta, scaling, model_max_positions or max_positions)
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = (inv_freq[:, None].float() @ pos[None, :]).T
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", (emb.cos() * scale).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scale).to(dtype), persistent=False)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.scale = scale
+        self.dtype = dtype
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows for these positions, shaped [T, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
