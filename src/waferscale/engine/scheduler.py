@@ -5,7 +5,7 @@ sequences while the token budget, the batch size and the free blocks allow. When
 sequence of the lowest priority is preempted (its blocks freed) and recomputed later; its client still gets the whole
 answer. Layers with a sliding window have blocks of their own kind (BlockManager.kinds): a sequence gets them for
 each chunk as it runs, and gives back those its window can no longer see before each step, so a long sequence holds
-window-layer KV for its window only (plus a chunk). The waiting queue is ordered by priority (SamplingParams.priority, lower first), then arrival: a waiting
+window-layer KV for its window only (plus a chunk; the page arithmetic is in page_plan.py). The waiting queue is ordered by priority (SamplingParams.priority, lower first), then arrival: a waiting
 sequence of a higher priority is admitted before any lower one, and takes the slot and blocks of running sequences
 of a lower priority (batch work) when there are none free.
 """
@@ -16,9 +16,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from waferscale.engine.block_manager import BlockManager, PrefixHit, window_start
+from waferscale.engine.block_manager import BlockManager, PrefixHit
 from waferscale.engine.drafts import draft_tokens
 from waferscale.engine.errors import ErrorKind, RequestError
+from waferscale.engine.page_plan import PagePlan
 from waferscale.engine.params import BATCH_PRIORITY
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import SpeculativeConfig
@@ -60,6 +61,7 @@ class Scheduler:
         self.queue_timeout = queue_timeout  # seconds a request may wait for its first admission
         self.max_model_len = max_model_len
         self.speculative = speculative or SpeculativeConfig()
+        self.pages = PagePlan(blocks, self.max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -113,26 +115,13 @@ class Scheduler:
             self.blocks.release(table)
         seq.block_tables, seq.dropped, seq.block_keys = [], [], []
 
-    def _drop_out_of_window(self, seq: Sequence) -> None:
-        """Give back the window kinds' blocks that no row from seq's next position on can see (the cached ones stay
-        in the prefix cache until evicted)."""
-        for k, kind in enumerate(self.kinds):
-            if kind.window is None or not seq.block_tables:
-                continue
-            table = seq.block_tables[k]
-            first, lo = seq.dropped[k], min(window_start(kind, seq.num_computed, self.block_size), len(table))
-            if lo > first:
-                self.blocks.release(table[first:lo])
-                table[first:lo] = [0] * (lo - first)
-                seq.dropped[k] = lo
-
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
         budget = self.max_num_batched_tokens
         taken: set[int] = set()
         for seq in self.running:
-            self._drop_out_of_window(seq)
+            self.pages.drop_out_of_window(seq)
         self._yield_to_waiting()
         decoding = [s for s in self.running if not s.finished and s.remaining == 1 and s.num_generated]
         speculate = self.speculative.enabled and len(decoding) <= self.speculative.max_seqs
@@ -265,43 +254,18 @@ class Scheduler:
             return PrefixHit(0, [[] for _ in self.kinds])
         return self.blocks.hit(self._prompt_keys(seq), seq.token_ids)
 
-    def _targets(self, num_tokens: int, end: int) -> list[int]:
-        """Blocks each kind's table must reach for a sequence of `num_tokens` tokens computed up to `end`: the
-        whole-context kinds hold the whole prompt from admission on, window kinds only what the next chunk writes."""
-        full, upto = -(-num_tokens // self.block_size), -(-end // self.block_size)
-        return [full if kind.window is None else upto for kind in self.kinds]
-
     def _admission_pages(self, seq: Sequence, hit: PrefixHit, budget: int) -> int:
         """New pages seq needs to be admitted from `hit` and run its first chunk (at most `budget` tokens)."""
-        start = hit.blocks * self.block_size
-        end = start + min(len(seq.token_ids) - start, budget)
-        targets = self._targets(len(seq.token_ids), end)
-        return sum(
-            max(0, t - len(table)) * kind.pages for t, table, kind in zip(targets, hit.tables, self.kinds)
-        )
+        return self.pages.admission_pages(len(seq.token_ids), hit.blocks * self.block_size, hit.tables, budget)
 
     def sequence_pages(self, num_tokens: int) -> int:
-        """The most pages a sequence of `num_tokens` tokens holds at once: every block of the whole-context kinds,
-        and of a window kind what a chunk and the window behind it span."""
-        blocks = -(-num_tokens // self.block_size)
-        pages = 0
-        for kind in self.kinds:
-            held = blocks if kind.window is None else min(blocks, self.window_blocks(kind.window))
-            pages += held * kind.pages
-        return pages
+        return self.pages.sequence_pages(num_tokens)
 
     def window_blocks(self, window: int) -> int:
-        return -(-(window - 1 + self.max_num_batched_tokens) // self.block_size) + 1
+        return self.pages.window_blocks(window)
 
     def capacity_tokens(self) -> int | None:
-        """The longest sequence the pool holds (None: any length, where every layer has a window)."""
-        reserve = sum(
-            self.window_blocks(k.window) * k.pages for k in self.kinds if k.window is not None
-        )
-        full = sum(k.pages for k in self.kinds if k.window is None)
-        if not full:
-            return None
-        return max(0, self.blocks.num_blocks - 1 - reserve) // full * self.block_size
+        return self.pages.capacity_tokens()
 
     def settle_drafts(self, seq: Sequence) -> None:
         """After verification: only the accepted drafts' keys and values count (the rest are overwritten later)."""
@@ -404,17 +368,10 @@ class Scheduler:
             return True
         if not self.blocks.can_allocate(needed, hit.reused):
             return False
-        for b in hit.reused:
-            self.blocks.acquire(b)
-        bs = self.block_size
-        seq.block_tables = [list(t) for t in hit.tables]
-        seq.dropped = [window_start(kind, hit.blocks * bs, bs) for kind in self.kinds]
+        self.pages.start(seq, hit)
         seq.block_keys = keys[: hit.blocks]
-        seq.num_computed = hit.blocks * bs
         end = seq.num_computed + min(seq.remaining, budget)
-        for k, target in enumerate(self._targets(len(tokens), end)):
-            table = seq.block_tables[k]
-            table += [self.blocks.allocate(k) for _ in range(target - len(table))]
+        self.pages.grow(seq, self.pages.targets(len(tokens), end))
         if not seq.admitted_once:
             if not seq.params.prompt_logprobs:
                 self.blocks.count_lookup(len(keys), hit.blocks)
@@ -426,13 +383,9 @@ class Scheduler:
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, taken: set[int]) -> bool:
         """Make room for `num_tokens` in seq's tables, preempting the newest sequences not yet scheduled in this step
         if needed; False if seq was preempted itself or must wait (the only candidates are already scheduled)."""
-        targets = self._targets(num_tokens, num_tokens)
+        targets = self.pages.targets(num_tokens, num_tokens)
         while True:
-            need = sum(
-                max(0, t - len(table)) * kind.pages
-                for t, table, kind in zip(targets, seq.block_tables, self.kinds)
-            )
-            if need <= self.blocks.num_available:
+            if self.pages.missing_pages(targets, seq.block_tables) <= self.blocks.num_available:
                 break
             victim = self._victim()
             if victim is None or (victim is not seq and id(victim) in taken):
@@ -440,8 +393,7 @@ class Scheduler:
             self._preempt(victim)
             if victim is seq:
                 return False
-        for k, table in enumerate(seq.block_tables):
-            table += [self.blocks.allocate(k) for _ in range(targets[k] - len(table))]
+        self.pages.grow(seq, targets)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
