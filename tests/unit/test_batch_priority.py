@@ -92,17 +92,43 @@ def test_batch_work_never_times_out_in_the_queue():
     assert not waiting.finished and waiting in s.waiting
 
 
+def _batch_tokens(batch) -> int:
+    return sum(1 for q in batch.decodes if q.params.priority == BATCH_PRIORITY) + sum(
+        n for q, n in batch.prefills if q.params.priority == BATCH_PRIORITY
+    )
+
+
 def test_beside_interactive_work_only_a_few_batch_sequences_run():
-    from waferscale.engine.scheduler import BATCH_BESIDE_INTERACTIVE
+    from waferscale.engine.scheduler import BATCH_BESIDE_INTERACTIVE, BATCH_TOKENS_BESIDE_INTERACTIVE
 
     s = sched(num_blocks=64, max_num_seqs=16)
     s.add(make_seq("live", [9, 9, 9], max_tokens=20))
     for i in range(10):
         s.add(make_seq(f"b{i}", [1, 2, i], max_tokens=20, priority=BATCH_PRIORITY))
+    carried = []
+    for _ in range(8):
+        carried.append(_batch_tokens(step(s)))
+        batch = [q for q in s.running if q.params.priority == BATCH_PRIORITY]
+        assert 1 <= len(batch) <= BATCH_BESIDE_INTERACTIVE
+    assert all(0 < n <= BATCH_TOKENS_BESIDE_INTERACTIVE for n in carried)  # the batch moves, in a thin share
+
+
+def test_a_batch_prompt_prefills_in_small_chunks_beside_an_interactive_stream():
+    from waferscale.engine.scheduler import BATCH_TOKENS_BESIDE_INTERACTIVE
+
+    s = sched(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=512)
+    live = make_seq("live", [9, 9, 9], max_tokens=20)
+    s.add(live)
     step(s)
-    step(s)
-    batch = [q for q in s.running if q.params.priority == BATCH_PRIORITY]
-    assert len(batch) == BATCH_BESIDE_INTERACTIVE and len(s.waiting) == 10 - BATCH_BESIDE_INTERACTIVE
+    s.add(make_seq("long", list(range(300)), max_tokens=4, priority=BATCH_PRIORITY))
+    batch = step(s)
+    assert live in batch.decodes and _batch_tokens(batch) == BATCH_TOKENS_BESIDE_INTERACTIVE
+
+
+def test_without_interactive_work_a_batch_prompt_prefills_in_whole_chunks():
+    s = sched(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=512)
+    s.add(make_seq("long", list(range(300)), max_tokens=4, priority=BATCH_PRIORITY))
+    assert _batch_tokens(step(s)) == 300
 
 
 def test_without_interactive_work_batch_sequences_fill_the_slots():
@@ -114,7 +140,7 @@ def test_without_interactive_work_batch_sequences_fill_the_slots():
 
 
 def test_running_batch_work_narrows_when_an_interactive_request_arrives():
-    from waferscale.engine.scheduler import BATCH_BESIDE_INTERACTIVE
+    from waferscale.engine.scheduler import BATCH_BESIDE_INTERACTIVE, BATCH_TOKENS_BESIDE_INTERACTIVE
 
     s = sched(num_blocks=64, max_num_seqs=16)
     for i in range(10):
@@ -127,6 +153,6 @@ def test_running_batch_work_narrows_when_an_interactive_request_arrives():
     assert live in s.running and len(batch) == BATCH_BESIDE_INTERACTIVE
     assert [q.request_id for q in batch] == ["b0", "b1", "b2", "b3"]  # the oldest keep running
     while not live.finished:
-        step(s)
+        assert _batch_tokens(step(s)) <= BATCH_TOKENS_BESIDE_INTERACTIVE
     step(s)
-    assert not s.waiting and len(s.running) == 6  # widened again: b4-b9 all run (b0-b3 have finished)
+    assert not s.waiting  # widened again: every remaining batch sequence runs

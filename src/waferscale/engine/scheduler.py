@@ -25,6 +25,9 @@ from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import SpeculativeConfig
 
 BATCH_BESIDE_INTERACTIVE = 4  # batch sequences that may run beside interactive ones (see _batch_room)
+# Tokens of batch work (decode rows and prefill chunk tokens) a step may carry beside interactive work: each row
+# lengthens the step every interactive stream waits on, and a prefill chunk of hundreds of tokens multiplies it.
+BATCH_TOKENS_BESIDE_INTERACTIVE = 2
 
 
 @dataclass
@@ -125,24 +128,35 @@ class Scheduler:
         self._yield_to_waiting()
         decoding = [s for s in self.running if not s.finished and s.remaining == 1 and s.num_generated]
         speculate = self.speculative.enabled and len(decoding) <= self.speculative.max_seqs
+        batch_left = BATCH_TOKENS_BESIDE_INTERACTIVE if self._interactive() else budget
+
+        def room(seq: Sequence, want: int) -> int:
+            """Tokens seq may take of this step: the step's budget, and the batch share for batch work."""
+            return min(want, budget, batch_left) if seq.params.priority >= BATCH_PRIORITY else min(want, budget)
+
+        def took(seq: Sequence, n: int) -> None:
+            nonlocal budget, batch_left
+            budget -= n
+            if seq.params.priority >= BATCH_PRIORITY:
+                batch_left -= n
         # by priority, oldest first among equals: a sequence preempted for room (the lowest priority, the newest)
         # is then never one already scheduled in this step
         for seq in sorted(self.running, key=lambda s: s.params.priority):
-            if seq.finished or seq.remaining != 1 or not seq.num_generated or budget <= 0:
+            if seq.finished or seq.remaining != 1 or not seq.num_generated or room(seq, 1) <= 0:
                 continue
             if seq not in self.running:  # preempted while making room for an older sequence
                 continue
-            drafts = draft_tokens(seq, budget - 1, self.max_model_len, self.speculative, speculate)
+            drafts = draft_tokens(seq, room(seq, budget) - 1, self.max_model_len, self.speculative, speculate)
             if not self._ensure_blocks(seq, len(seq.token_ids) + len(drafts), taken):
                 continue  # seq itself was preempted, or waits for room
             taken.add(id(seq))
             if drafts:  # the last token and the drafts run as one chunk over the cached prefix
                 seq.drafts = drafts
                 out.prefills.append((seq, 1 + len(drafts)))
-                budget -= 1 + len(drafts)
+                took(seq, 1 + len(drafts))
                 continue
             out.decodes.append(seq)
-            budget -= 1
+            took(seq, 1)
         # prefills of running sequences, by priority; those below the best waiting one prefill only with what
         # admitting it leaves
         head = self.waiting[0].params.priority if self.waiting else BATCH_PRIORITY + 1
@@ -153,12 +167,14 @@ class Scheduler:
             if seq.params.priority > head:
                 later.append(seq)
                 continue
-            chunk = min(seq.remaining, budget)
-            if seq not in self.running or not self._ensure_blocks(seq, seq.num_computed + chunk, taken):
+            chunk = room(seq, seq.remaining)
+            if chunk <= 0 or seq not in self.running:
+                continue
+            if not self._ensure_blocks(seq, seq.num_computed + chunk, taken):
                 continue
             taken.add(id(seq))
             out.prefills.append((seq, chunk))
-            budget -= chunk
+            took(seq, chunk)
         self._expire_waiting(out.ended)
         in_flight = self._prefix_keys_in_flight()
         deferred: list[Sequence] = []
@@ -166,13 +182,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.params.priority >= BATCH_PRIORITY:
-                if batch_room <= 0:
+                if batch_room <= 0 or room(seq, 1) <= 0:
                     break  # the queue is ordered: only batch work is left, and it waits
                 batch_room -= 1
             if self._shares_prefix_in_flight(seq, in_flight):
                 deferred.append(self.waiting.popleft())  # admitted once those blocks are cached
                 continue
-            if not self._admit(seq, budget):
+            if not self._admit(seq, room(seq, budget)):
                 break
             self.waiting.popleft()
             if seq.finished:
@@ -181,29 +197,32 @@ class Scheduler:
             in_flight.update(seq.prompt_keys[len(seq.block_keys) :])
             self.running.append(seq)
             taken.add(id(seq))
-            chunk = min(seq.remaining, budget)
+            chunk = room(seq, seq.remaining)
             out.prefills.append((seq, chunk))
-            budget -= chunk
+            took(seq, chunk)
         self.waiting.extendleft(reversed(deferred))
         for seq in later:
-            if budget <= 0:
-                break
-            chunk = min(seq.remaining, budget)
-            if seq not in self.running or not self._ensure_blocks(seq, seq.num_computed + chunk, taken):
+            chunk = room(seq, seq.remaining)
+            if chunk <= 0 or seq not in self.running:
+                continue
+            if not self._ensure_blocks(seq, seq.num_computed + chunk, taken):
                 continue
             taken.add(id(seq))
             out.prefills.append((seq, chunk))
-            budget -= chunk
+            took(seq, chunk)
         return out
+
+    def _interactive(self) -> bool:
+        """Whether interactive work runs or waits (batch work then yields most of each step to it)."""
+        return any(s.params.priority < BATCH_PRIORITY and not s.finished for s in self.running) or (
+            bool(self.waiting) and self.waiting[0].params.priority < BATCH_PRIORITY
+        )
 
     def _batch_room(self) -> int:
         """How many more batch sequences may run now (negative: that many too many): any number while no interactive
         sequence runs or waits; beside interactive ones, BATCH_BESIDE_INTERACTIVE (the batch keeps going, narrower,
-        and widens again when they are gone)."""
-        interactive = any(s.params.priority < BATCH_PRIORITY for s in self.running) or (
-            bool(self.waiting) and self.waiting[0].params.priority < BATCH_PRIORITY
-        )
-        if not interactive:
+        and widens again when they are gone), sharing BATCH_TOKENS_BESIDE_INTERACTIVE tokens a step."""
+        if not self._interactive():
             return self.max_num_seqs
         return BATCH_BESIDE_INTERACTIVE - sum(1 for s in self.running if s.params.priority >= BATCH_PRIORITY)
 
