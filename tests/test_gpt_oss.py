@@ -12,10 +12,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_writing import f32, finish, moe_writer
 from test_families import _ours, _prompt, _theirs
 
-from waferscale.models import builtin_model_path, load_model
-from waferscale.models.gguf_file import read_gguf_file
+from waferscale.models import load_model
 from waferscale.models.layers.moe import SparseMoE
 from waferscale.models.quant import QuantLinear
 
@@ -346,33 +346,12 @@ def _write_gpt_oss_gguf(path, ref) -> None:
     from waferscale.models.quant.mxfp4 import quantize_mxfp4
 
     cfg = ref.config
-    src = read_gguf_file(builtin_model_path())
-    writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    for key, value in src.metadata.items():
-        if key.startswith("tokenizer."):
-            writer.add_key_value(key, value, *src.value_types[key])
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_expert_feed_forward_length(cfg.intermediate_size)
-    writer.add_expert_count(cfg.num_local_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer = moe_writer(path, "gpt-oss", cfg, experts=cfg.num_local_experts, expert_ffn=cfg.intermediate_size)
     rope = cfg.rope_parameters
-    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(rope["factor"])
     writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_sliding_window(cfg.sliding_window)
-    writer.add_vocab_size(cfg.vocab_size)
-
-    def f32(t: torch.Tensor) -> np.ndarray:
-        return t.detach().float().numpy().copy()
 
     def mxfp4(stack: torch.Tensor) -> np.ndarray:
         """[E, N, K] floats (MXFP4 values already) as GGUF MXFP4 rows: per block its e8m0 byte, then 16 bytes."""
@@ -404,12 +383,7 @@ def _write_gpt_oss_gguf(path, ref) -> None:
         for name, (weight, bias) in stacks.items():
             writer.add_tensor(f"blk.{i}.{name}.weight", mxfp4(weight), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
             writer.add_tensor(f"blk.{i}.{name}.bias", f32(bias))
-    writer.add_tensor("output_norm.weight", f32(state["model.norm.weight"]))
-    writer.add_tensor("output.weight", f32(state["lm_head.weight"]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer, state)
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,12 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from gguf_writing import f32, finish, moe_writer
 from test_families import NEW_TOKENS, _ours, _prompt, _theirs
 from test_quant import random_blocks
 
 from waferscale import kernels
-from waferscale.models import builtin_model_path, load_model, quant
-from waferscale.models.gguf_file import read_gguf_file
+from waferscale.models import load_model, quant
 from waferscale.models.layers.linear import LoadContext
 from waferscale.models.layers.moe import SOFTMAX_TOPK, TOPK_SOFTMAX, NativeExperts, Routing, SparseMoE
 from waferscale.models.quant import QuantLinear, from_gguf
@@ -347,31 +347,10 @@ def test_folder_quantized_at_load_serves_experts_from_blocks(qwen3_moe, tmp_path
 def _write_qwen3moe_gguf(path, state: dict[str, torch.Tensor], cfg, experts_kind: str | None = None) -> None:
     """A qwen3moe GGUF of a transformers state dict: experts stacked [E, N, K] per projection (F32, or random
     blocks of `experts_kind`), the rest F32, the built-in model's tokenizer."""
-    src = read_gguf_file(builtin_model_path())
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    for key, value in src.metadata.items():
-        if key.startswith("tokenizer."):
-            writer.add_key_value(key, value, *src.value_types[key])
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    writer.add_expert_count(cfg.num_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_vocab_size(cfg.vocab_size)
+    writer = moe_writer(path, "qwen3moe", cfg, experts=cfg.num_experts, expert_ffn=cfg.moe_intermediate_size)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
-
-    def f32(t: torch.Tensor) -> np.ndarray:
-        return t.detach().float().numpy().copy()
 
     writer.add_tensor("token_embd.weight", f32(state["model.embed_tokens.weight"]))
     seed = 100
@@ -389,12 +368,7 @@ def _write_qwen3moe_gguf(path, state: dict[str, torch.Tensor], cfg, experts_kind
                 blocks = random_blocks(experts_kind, e * n, k, seed).reshape(e, n, -1)
                 writer.add_tensor(f"blk.{i}.{kind}.weight", blocks,
                                   raw_dtype=getattr(gguf.GGMLQuantizationType, experts_kind))
-    writer.add_tensor("output_norm.weight", f32(state["model.norm.weight"]))
-    writer.add_tensor("output.weight", f32(state["lm_head.weight"]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer, state)
 
 
 def _per_expert_state(ref) -> dict[str, torch.Tensor]:
