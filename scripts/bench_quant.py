@@ -65,6 +65,18 @@ def gguf_bytes(path: Path, ours: bool) -> int:
     return total
 
 
+def f16_kv_bytes_per_token(path: Path) -> int:
+    """Bytes of K and V at 16 bits for one token in every layer of a GGUF's model (llama.cpp's default cache)."""
+    from waferscale.models.gguf_file import read_gguf_file
+
+    meta = read_gguf_file(path).metadata
+    arch = meta["general.architecture"]
+    heads = meta[f"{arch}.attention.head_count"]
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    head_dim = meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // heads
+    return meta[f"{arch}.block_count"] * kv_heads * head_dim * 2 * 2
+
+
 def gguf_bf16_bytes(path: Path) -> int:
     """Weight bytes read per token from a GGUF's weights dequantized to bf16 (--quantization none)."""
     import gguf
@@ -117,11 +129,13 @@ def ggufs_of(folder: Path, cache: Path) -> dict[str, Path]:
 def plan(args, cache: Path) -> list[tuple[str, base.Server, int]]:
     """(model, server, weight bytes read per token) for every configuration to run."""
     ws = str(Path(sys.executable).parent / "waferscale")
-    common = ["--served-model-name", base.MODEL_NAME, "--kv-cache-memory", str(KV_BYTES)]
     llama_ctx = KV_BYTES // (32 * 1024)  # llama.cpp's f16 KV for the 1B shape: 32 KiB a token, same budget
 
-    def wsrv(key: str, label: str, model: Path | None, q: str, scenarios=("single", "c32")) -> base.Server:
-        argv = [ws, "serve", *common, "--quantization", q] + (["--model", str(model)] if model else [])
+    def wsrv(
+        key: str, label: str, model: Path | None, q: str, scenarios=("single", "c32"), kv: int = KV_BYTES
+    ) -> base.Server:
+        argv = [ws, "serve", "--served-model-name", base.MODEL_NAME, "--kv-cache-memory", str(kv)]
+        argv += ["--quantization", q] + (["--model", str(model)] if model else [])
         return base.Server(key, label, argv, base.waferscale_fields, scenarios)
 
     def lsrv(key: str, label: str, model: Path, ctx: int) -> base.Server:
@@ -186,10 +200,14 @@ def plan(args, cache: Path) -> list[tuple[str, base.Server, int]]:
         path = Path(name) if Path(name).is_file() else builtin_model_path(name)
         stem = path.stem.lower().replace("-", "_").replace(".", "_")
         label = path.stem
-        out.append((label, wsrv(f"ws_{stem}", "waferscale (auto)", path, "auto"), gguf_bytes(path, True)))
+        # 32 slots of 512 tokens: room for c=32's 128 + 64 tokens; waferscale gets the bytes of llama.cpp's f16
+        # cache of that many tokens in every layer (llama.cpp allocates and clears it at start; waferscale's pool
+        # takes memory as its pages are first written)
+        ctx = 32 * 512
+        kv = ctx * f16_kv_bytes_per_token(path)
+        out.append((label, wsrv(f"ws_{stem}", "waferscale (auto)", path, "auto", kv=kv), gguf_bytes(path, True)))
         if not args.skip_llamacpp:
-            # 32 slots of 512 tokens: room for c=32's 128 + 64 tokens; llama.cpp allocates its KV cache up front
-            llama = lsrv(f"llama_{stem}", "llama-server", path, 32 * 512)
+            llama = lsrv(f"llama_{stem}", "llama-server", path, ctx)
             out.append((label, llama, gguf_bytes(path, False)))
     if args.model_8b:
         out.append(
