@@ -1,0 +1,105 @@
+"""Speculative decoding by a draft model (`--draft-model`): the built-in model's own weights again at int4
+(`self:int4`) propose, the float32 target verifies; the output is exactly the output without speculation, and a
+draft with another tokenizer is refused at start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import MODEL, Server, free_port, openai_for
+
+PROMPTS = [
+    "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nName three uses of copper and explain one.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """(without speculation, with the self:int4 draft), both float32, started together."""
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(Server, "--dtype", "float32", "--speculative", "none")
+        draft = pool.submit(Server, "--dtype", "float32", "--draft-model", "self:int4")
+        started = [plain.result(), draft.result()]
+    yield started
+    for s in started:
+        s.stop()
+
+
+def _tokens(url: str, prompt: str, **params) -> tuple[list[int], str]:
+    with openai_for(url) as client:
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=40, extra_body={"return_raw_tokens": True}, **params
+        )
+    return r.choices[0].model_extra["tokens"], r.choices[0].text
+
+
+def _accepted(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("waferscale_speculative_accepted_tokens"):
+            return float(line.split()[-1])
+    raise AssertionError("waferscale_speculative_accepted_tokens not in /metrics")
+
+
+def test_greedy_output_is_token_for_token_the_output_without_speculation(servers):
+    plain, draft = servers
+    before = _accepted(draft.url)
+    for prompt in PROMPTS:
+        expected, _ = _tokens(plain.url, prompt, temperature=0)
+        assert _tokens(draft.url, prompt, temperature=0)[0] == expected and len(expected) > 20
+    assert _accepted(draft.url) > before + 20  # the draft's tokens were verified and mostly accepted
+    assert _accepted(plain.url) == 0
+
+
+def test_concurrent_requests_keep_their_own_drafts(servers):
+    plain, draft = servers
+    expected = [_tokens(plain.url, p, temperature=0)[0] for p in PROMPTS]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda p: _tokens(draft.url, p, temperature=0)[0], PROMPTS))
+    assert got == expected
+
+
+def test_a_seeded_sample_is_the_same_text_with_the_draft(servers):
+    plain, draft = servers
+    params = dict(temperature=0.9, seed=11)
+    assert _tokens(draft.url, PROMPTS[0], **params)[1] == _tokens(plain.url, PROMPTS[0], **params)[1]
+
+
+def test_a_draft_with_another_tokenizer_is_refused_at_start(tmp_path: Path):
+    folder = _tiny_model_of_seven_words(tmp_path / "seven-words")
+    proc = subprocess.run(
+        [sys.executable, "-m", "waferscale", "serve", "--port", str(free_port()), "--draft-model", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    error = proc.stderr.strip().splitlines()[-1]
+    assert "another tokenizer" in error and "7 tokens against the target's 49152" in error
+    assert "--draft-model a model with the same tokenizer" in error
+
+
+def _tiny_model_of_seven_words(folder: Path) -> Path:
+    """A 1-layer Llama folder whose tokenizer knows 7 words (transformers makes it here)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "hello", "world", "the", "sea"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        folder
+    )
+    cfg = LlamaConfig(
+        vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    return folder
