@@ -146,8 +146,8 @@ class DraftModel:
     # ------------------------------------------------------------------ one step
     def prepare(self, running: list[Sequence], max_model_len: int) -> None:
         """Propose the next tokens of every decoding sequence that speculates this step (left in seq.draft.proposal
-        for drafts.draft_tokens); free the draft blocks of sequences no longer running."""
-        self._forget([s for s in self.tracked.values() if s.finished or s not in running])
+        for drafts.draft_tokens)."""
+        self.retire(running)
         decoding = [s for s in running if not s.finished and s.remaining == 1 and s.num_generated]
         for seq in decoding:
             if seq.draft is not None:
@@ -176,6 +176,10 @@ class DraftModel:
                 wanted.append((seq, k))
         if wanted:
             self._propose(wanted, decoding)
+
+    def retire(self, running: list[Sequence]) -> None:
+        """Free the draft blocks of sequences that finished or left the running batch (preempted, aborted)."""
+        self._forget([s for s in self.tracked.values() if s.finished or s not in running])
 
     def _settle(self, seq: Sequence) -> None:
         """Adapt seq's draft count to the verification of its last proposal (if the target ran it)."""

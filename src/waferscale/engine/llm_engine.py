@@ -228,6 +228,8 @@ class LLMEngine:
             victims = batch.seqs if batch is not None else list(self.scheduler.running)
             events += [self.output.fail(seq, internal_error(exc)) for seq in victims if not seq.finished]
         self.scheduler.retire()
+        if self.drafter is not None:
+            self.drafter.retire(self.scheduler.running)
         return events
 
     # ------------------------------------------------------------------ internals
