@@ -55,10 +55,13 @@ def main() -> None:
     methods = ["none", "ngram"] + (["draft"] if args.draft_model else [])
     draft = None
     if args.draft_model:
-        settings = EngineSettings(model=args.model, dtype=args.dtype, speculative="draft", draft_model=args.draft_model)
+        settings = EngineSettings(
+            model=args.model, dtype=args.dtype, speculative="draft", draft_model=args.draft_model
+        )
         draft = _load_draft(settings, loaded)
     engines = {
-        m: LLMEngine(loaded, speculative=SpeculativeConfig(m), draft=draft if m == "draft" else None) for m in methods
+        m: LLMEngine(loaded, speculative=SpeculativeConfig(m), draft=draft if m == "draft" else None)
+        for m in methods
     }
 
     def encode(text: str) -> list[int]:

@@ -19,6 +19,44 @@ PROMPTS = [
 ]
 
 
+def _settings(*argv: str):
+    """The engine settings of a `waferscale serve` command line."""
+    from waferscale.cli import build_parser
+    from waferscale.engine.settings import settings_from_args
+
+    args = build_parser().parse_args(["serve", *argv])
+    args.model = None  # as cli.main leaves a single --model
+    return settings_from_args(args)
+
+
+def test_a_draft_model_means_draft_speculation_unless_told_otherwise():
+    settings = _settings("--draft-model", "self:int4", "--draft-kv-cache-memory", "64MiB")
+    assert (settings.speculative, settings.draft_model, settings.draft_kv_cache_memory) == (
+        "draft",
+        "self:int4",
+        64 << 20,
+    )
+    assert _settings().speculative == "ngram" and _settings().draft_model is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--speculative", "ngram", "--draft-model", "self:int4"],
+            "a draft-model is given but speculative is ngram",
+        ),
+        (["--speculative", "draft"], "speculative draft needs a draft-model"),
+        (["--draft-model", "self:q8"], "choose self:int4 or self:int8"),
+    ],
+)
+def test_inconsistent_draft_options_are_refused(argv, message):
+    from waferscale.engine.settings import SettingsError
+
+    with pytest.raises(SettingsError, match=message):
+        _settings(*argv)
+
+
 @pytest.fixture(scope="module")
 def servers():
     """(without speculation, with the self:int4 draft), both float32, started together."""
@@ -50,7 +88,9 @@ def test_greedy_output_is_token_for_token_the_output_without_speculation(servers
     plain, draft = servers
     before = _accepted(draft.url)
     expected = [_tokens(plain.url, p, temperature=0)[0] for p in PROMPTS]
-    with ThreadPoolExecutor(2) as pool:  # decoding together: the draft proposes for both in one forward a position
+    with ThreadPoolExecutor(
+        2
+    ) as pool:  # decoding together: the draft proposes for both in one forward a position
         got = list(pool.map(lambda p: _tokens(draft.url, p, temperature=0)[0], PROMPTS))
     assert got == expected and min(len(t) for t in expected) > 20
     assert _accepted(draft.url) > before + 20  # the draft's tokens were verified and mostly accepted
@@ -85,7 +125,9 @@ def test_a_sequence_the_draft_pool_cannot_hold_decodes_without_drafts_and_blocks
         while engine.has_work():
             for ev in engine.step():
                 out[ev.request_id] += ev.token_ids
-            most = max(most, sum(1 for s in engine.running if s.draft is not None and any(s.draft.block_tables)))
+            most = max(
+                most, sum(1 for s in engine.running if s.draft is not None and any(s.draft.block_tables))
+            )
         return list(out.values()), most
 
     expected, _ = run(LLMEngine(target, kv_cache_bytes=32 << 20))
@@ -96,13 +138,24 @@ def test_a_sequence_the_draft_pool_cannot_hold_decodes_without_drafts_and_blocks
     )  # fmt: skip
     outputs, most = run(engine)
     assert outputs == expected and most == 1 and engine.stats().speculative_accepted_tokens > 0
-    assert engine.drafter.blocks.num_used == 0 and not engine.drafter.tracked  # freed as the sequences finished
+    assert (
+        engine.drafter.blocks.num_used == 0 and not engine.drafter.tracked
+    )  # freed as the sequences finished
 
 
 def test_a_draft_with_another_tokenizer_is_refused_at_start(tmp_path: Path):
     folder = _tiny_model_of_seven_words(tmp_path / "seven-words")
     proc = subprocess.run(
-        [sys.executable, "-m", "waferscale", "serve", "--port", str(free_port()), "--draft-model", str(folder)],
+        [
+            sys.executable,
+            "-m",
+            "waferscale",
+            "serve",
+            "--port",
+            str(free_port()),
+            "--draft-model",
+            str(folder),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -122,9 +175,9 @@ def _tiny_model_of_seven_words(folder: Path) -> Path:
     words = ["<unk>", "<s>", "</s>", "hello", "world", "the", "sea"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
-        folder
-    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(folder)
     cfg = LlamaConfig(
         vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,

@@ -65,8 +65,7 @@ def in_passing_thread(fn: Callable[[], T]) -> T:
 def _load_draft(settings: EngineSettings, target: LoadedModel) -> LoadedModel:
     """The draft model of --draft-model, in the target's dtype: self:int4 / self:int8 loads the target's own weights
     again with that quantization (a GGUF keeps its quantized tensors, as --quantization does), anything else is
-    resolved as --model is. Raises ModelLoadError, also when its tokenizer is not the target's."""
-    from waferscale.engine.draft_model import check_same_vocabulary
+    resolved as --model is (LLMEngine checks its tokenizer against the target's). Raises ModelLoadError."""
     from waferscale.models import ModelLoadError, load_model
 
     name = settings.draft_model
@@ -80,7 +79,6 @@ def _load_draft(settings: EngineSettings, target: LoadedModel) -> LoadedModel:
         )
     except ModelLoadError as exc:
         raise ModelLoadError(f"--draft-model {name}: {exc}") from exc
-    check_same_vocabulary(target, draft)
     return draft
 
 

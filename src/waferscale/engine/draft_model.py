@@ -33,7 +33,7 @@ log = logging.getLogger("waferscale.engine")
 SELF_PREFIX = "self:"  # --draft-model self:int4: the target's own weights, quantized
 SELF_QUANTIZATIONS = ("int4", "int8")
 DRAFT_KV_FRACTION = 4  # the draft's KV pool is a quarter of the target's unless set
-_NO_SCORES = SamplingParams(max_tokens=1)  # what the model runner reads of a draft row's params: no prompt logprobs
+_NO_SCORES = SamplingParams(max_tokens=1)  # what the runner reads of a draft row's params: no prompt logprobs
 
 
 @dataclass(eq=False)
@@ -121,7 +121,9 @@ class DraftModel:
         cfg = loaded.config
         kv_dtype = loaded.dtype if cpu_has_native_bf16() else torch.float32
         layout = KVLayout(tuple(cfg.window(i) for i in range(cfg.num_layers)))
-        per_page = KVPool.bytes_per_block(layout.group_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, block_size)
+        per_page = KVPool.bytes_per_block(
+            layout.group_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, block_size
+        )
         kinds = layout.block_kinds
         num_pages = max(1 + max(k.pages for k in kinds), kv_cache_bytes // per_page)
         native = kernels.load() if kv_dtype in (torch.float32, torch.bfloat16) else None
@@ -207,7 +209,9 @@ class DraftModel:
     def _blocks_for(self, state: DraftSeq, num_tokens: int) -> bool:
         """Grow the draft's tables to hold num_tokens; False if the draft pool has no room."""
         need = -(-num_tokens // self.block_size)
-        pages = sum(max(0, need - len(t)) * kind.pages for t, kind in zip(state.block_tables, self.blocks.kinds))
+        pages = sum(
+            max(0, need - len(t)) * kind.pages for t, kind in zip(state.block_tables, self.blocks.kinds)
+        )
         if pages > self.blocks.num_available:
             return False
         for k, table in enumerate(state.block_tables):

@@ -213,7 +213,7 @@ class LLMEngine:
             if self.faults.on_step is not None:
                 self.faults.on_step()
             if self.drafter is not None:  # its proposals, for the scheduler to take as drafts
-                self.drafter.prepare(self.scheduler.running, self.max_model_len)
+                self._draft()
             batch = self.scheduler.schedule()
             events += [self.output.event(seq) for seq in batch.ended]
             if batch.decodes or batch.prefills:
@@ -246,6 +246,15 @@ class LLMEngine:
             events += self.output.verify(seq, self.runner.logits(out.hidden[first : first + count]))
             self.scheduler.settle_drafts(seq)
         return events
+
+    def _draft(self) -> None:
+        """The draft model's proposals for this step; should it fail, the step goes on without drafts (the draft
+        starts again from nothing) rather than failing its sequences."""
+        try:
+            self.drafter.prepare(self.scheduler.running, self.max_model_len)
+        except Exception:
+            log.exception("the draft model failed: this step decodes without drafts")
+            self.drafter.retire([])
 
     def _drain_early(self) -> list[GenerationEvent]:
         events, self._early_events = self._early_events, []
