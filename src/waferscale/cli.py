@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
             _check_model_path(args.model)
         draft = getattr(args, "draft_model", None)
         if draft is not None and not draft.startswith("self:"):
-            _check_model_path(draft)
+            _check_model_path(draft, "--draft-model: ")
         if getattr(args, "replicas", None) is None:  # Ray replicas get theirs from --replica-threads
             _plan_threads(args)
     if args.command == "serve":
@@ -367,14 +367,14 @@ def _plan_threads(args) -> None:
     logging.getLogger("waferscale").info("%s", plan.describe())
 
 
-def _check_model_path(path: str | None) -> None:
+def _check_model_path(path: str | None, option: str = "") -> None:
     """Stop with one line when the model path is wrong, before PyTorch is imported (a few seconds)."""
     from waferscale.models import ModelLoadError, model_source
 
     try:
         model_source(path)
     except ModelLoadError as exc:
-        print(f"waferscale: error: {exc}", file=sys.stderr)
+        print(f"waferscale: error: {option}{exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
