@@ -243,12 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--speculative",
-        choices=["ngram", "none"],
-        default="ngram",
-        help="speculative decoding: ngram (default) drafts each sequence's next tokens from its own prompt and output "
-        "(text being quoted, code being edited) and verifies them in one forward, with exactly the output of "
-        "decoding without it; a sequence whose drafts keep failing pauses, and a step with more than 4 sequences "
-        "decoding does not speculate. none: off",
+        choices=["ngram", "draft", "none"],
+        default=None,
+        help="speculative decoding: ngram (the default without --draft-model) drafts each sequence's next tokens "
+        "from its own prompt and output (text being quoted, code being edited); draft (the default with "
+        "--draft-model) has a draft model propose them; either way the model verifies them in one forward, with "
+        "exactly the output of decoding without it. A sequence whose drafts keep failing pauses, and a step with "
+        "more than 4 sequences decoding does not speculate. none: off",
     )
     serve.add_argument(
         "--num-speculative-tokens",
@@ -256,6 +257,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         metavar="K",
         help="the most draft tokens a sequence verifies in one step (default 8; it adapts per sequence below that)",
+    )
+    serve.add_argument(
+        "--draft-model",
+        metavar="PATH",
+        help="a draft model for --speculative draft: a GGUF file, a Hugging Face folder or a built-in name with the "
+        "same tokenizer as --model (checked at start), or self:int4 / self:int8, the model's own weights loaded "
+        "again quantized. It runs in the same engine, greedy, with a KV cache of its own",
+    )
+    serve.add_argument(
+        "--draft-kv-cache-memory",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="memory for the draft model's KV cache (default: a quarter of --kv-cache-memory); a sequence the draft "
+        "cache cannot hold decodes without drafts",
     )
     serve.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     serve.add_argument(
@@ -316,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
         args.model_paths = paths
         if not several:  # several models: each one's path is checked when it loads (the others keep serving)
             _check_model_path(args.model)
+        draft = getattr(args, "draft_model", None)
+        if draft is not None and not draft.startswith("self:"):
+            _check_model_path(draft, "--draft-model: ")
         if getattr(args, "replicas", None) is None:  # Ray replicas get theirs from --replica-threads
             _plan_threads(args)
     if args.command == "serve":
@@ -348,14 +367,14 @@ def _plan_threads(args) -> None:
     logging.getLogger("waferscale").info("%s", plan.describe())
 
 
-def _check_model_path(path: str | None) -> None:
+def _check_model_path(path: str | None, option: str = "") -> None:
     """Stop with one line when the model path is wrong, before PyTorch is imported (a few seconds)."""
     from waferscale.models import ModelLoadError, model_source
 
     try:
         model_source(path)
     except ModelLoadError as exc:
-        print(f"waferscale: error: {exc}", file=sys.stderr)
+        print(f"waferscale: error: {option}{exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from waferscale.engine.settings import EngineSettings
+from waferscale.engine.settings import SELF_DRAFTS, EngineSettings
 
 if TYPE_CHECKING:
     from waferscale.engine.llm_engine import LLMEngine
@@ -62,6 +62,26 @@ def in_passing_thread(fn: Callable[[], T]) -> T:
     return result["value"]  # type: ignore[return-value]
 
 
+def _load_draft(settings: EngineSettings, target: LoadedModel) -> LoadedModel:
+    """The draft model of --draft-model, in the target's dtype: self:int4 / self:int8 loads the target's own weights
+    again with that quantization (a GGUF keeps its quantized tensors, as --quantization does), anything else is
+    resolved as --model is (LLMEngine checks its tokenizer against the target's). Raises ModelLoadError."""
+    from waferscale.models import ModelLoadError, load_model
+
+    name = settings.draft_model
+    own = name.removeprefix("self:") if name in SELF_DRAFTS else None
+    try:
+        draft = load_model(
+            settings.model if own else name,
+            dtype=settings.dtype,
+            max_model_len=target.max_model_len if own else None,
+            quantization=own or "auto",
+        )
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"--draft-model {name}: {exc}") from exc
+    return draft
+
+
 def build_engine(settings: EngineSettings) -> BuiltEngine:
     """Load `settings.model` and build its engine. Raises models.ModelLoadError (one clear line) when the model
     cannot be loaded."""
@@ -83,6 +103,7 @@ def build_engine(settings: EngineSettings) -> BuiltEngine:
             max_model_len=settings.max_model_len,
             quantization=settings.quantization,
         )
+        draft = _load_draft(settings, loaded) if settings.draft_model is not None else None
         engine = LLMEngine(
             loaded,
             kv_cache_bytes=settings.kv_cache_memory,
@@ -91,6 +112,8 @@ def build_engine(settings: EngineSettings) -> BuiltEngine:
             enable_prefix_cache=settings.enable_prefix_cache,
             queue_timeout=settings.queue_timeout,
             speculative=SpeculativeConfig(settings.speculative, settings.num_speculative_tokens),
+            draft=draft,
+            draft_kv_cache_bytes=settings.draft_kv_cache_memory,
         )
         return BuiltEngine(loaded, engine, time.perf_counter() - t0)
 

@@ -1,5 +1,6 @@
 """The draft tokens a decoding sequence verifies in its step: its client's predicted output where it sent one, else
-the server's own n-gram speculation (when the step is small enough for it to pay)."""
+the server's own speculation (when the step is small enough for it to pay): n-gram lookup, or what the draft model
+proposed before the step (engine/draft_model.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def draft_tokens(
     k = min(speculative.max_draft, limit)
     if not speculate or k <= 0:
         return []
+    if speculative.method == "draft":
+        return seq.draft.take(k) if seq.draft is not None else []
     if seq.ngram is None:
         seq.ngram = NgramState()
     return seq.ngram.propose(seq.token_ids, k)

@@ -15,6 +15,7 @@ from waferscale import kernels
 from waferscale.engine import sampler
 from waferscale.engine.block_manager import BlockManager
 from waferscale.engine.detokenizer import IncrementalDetokenizer
+from waferscale.engine.draft_model import DRAFT_KV_FRACTION, DraftModel, check_same_vocabulary
 from waferscale.engine.errors import ErrorKind, RequestError, internal_error
 from waferscale.engine.faults import FaultHooks
 from waferscale.engine.grammar import GrammarError, GrammarMasks
@@ -47,9 +48,13 @@ class LLMEngine:
         enable_prefix_cache: bool = True,
         queue_timeout: float | None = None,
         speculative: SpeculativeConfig | None = None,
+        draft: LoadedModel | None = None,
+        draft_kv_cache_bytes: int | None = None,
     ):
         self.loaded = loaded
         speculative = speculative or SpeculativeConfig()
+        if (speculative.method == "draft") != (draft is not None):
+            raise ValueError("a draft model goes with speculative method draft, and only with it")
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
@@ -77,6 +82,16 @@ class LLMEngine:
             speculative=speculative,
         )
         self.runner = ModelRunner(self.model, self.pool, self.native, self.blocks)
+        self.drafter: DraftModel | None = None
+        if draft is not None:
+            check_same_vocabulary(loaded, draft)
+            self.drafter = DraftModel(
+                draft,
+                speculative,
+                kv_cache_bytes=draft_kv_cache_bytes or kv_cache_bytes // DRAFT_KV_FRACTION,
+                block_size=block_size,
+                max_batched_tokens=max_num_batched_tokens,
+            )
         self._log_kv(kv_dtype, per_page)
         self.faults = FaultHooks()
         self.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
@@ -197,6 +212,8 @@ class LLMEngine:
         try:
             if self.faults.on_step is not None:
                 self.faults.on_step()
+            if self.drafter is not None:  # its proposals, for the scheduler to take as drafts
+                self._draft()
             batch = self.scheduler.schedule()
             events += [self.output.event(seq) for seq in batch.ended]
             if batch.decodes or batch.prefills:
@@ -211,6 +228,8 @@ class LLMEngine:
             victims = batch.seqs if batch is not None else list(self.scheduler.running)
             events += [self.output.fail(seq, internal_error(exc)) for seq in victims if not seq.finished]
         self.scheduler.retire()
+        if self.drafter is not None:
+            self.drafter.retire(self.scheduler.running)
         return events
 
     # ------------------------------------------------------------------ internals
@@ -227,6 +246,15 @@ class LLMEngine:
             events += self.output.verify(seq, self.runner.logits(out.hidden[first : first + count]))
             self.scheduler.settle_drafts(seq)
         return events
+
+    def _draft(self) -> None:
+        """The draft model's proposals for this step; should it fail, the step goes on without drafts (the draft
+        starts again from nothing) rather than failing its sequences."""
+        try:
+            self.drafter.prepare(self.scheduler.running, self.max_model_len)
+        except Exception:
+            log.exception("the draft model failed: this step decodes without drafts")
+            self.drafter.retire([])
 
     def _drain_early(self) -> list[GenerationEvent]:
         events, self._early_events = self._early_events, []

@@ -56,6 +56,7 @@ class Sequence:
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
     ngram: Any = None  # speculation.NgramState: its n-gram index and draft count, once it speculates
+    draft: Any = None  # draft_model.DraftSeq: its draft model's KV blocks, proposal and draft count, once it has one
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-SPECULATIONS = ("ngram", "none")
+SPECULATIONS = ("ngram", "draft", "none")
+SELF_DRAFTS = ("self:int4", "self:int8")  # --draft-model: the target's own weights again, quantized
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 
 
@@ -31,6 +32,8 @@ class EngineSettings:
     queue_timeout: float | None = 600.0
     speculative: str = "ngram"
     num_speculative_tokens: int = 8
+    draft_model: str | None = None  # speculative draft: a GGUF file, a Hugging Face folder, a built-in name, self:int4
+    draft_kv_cache_memory: int | None = None  # the draft's KV pool; None: a quarter of kv_cache_memory
     threads: int | None = (
         None  # torch threads set before loading; None: as the process was planned (threads.py)
     )
@@ -48,6 +51,19 @@ class EngineSettings:
             raise SettingsError(
                 "num-speculative-tokens must be at least 1 (speculative none turns speculation off)"
             )
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise SettingsError(
+                "speculative draft needs a draft-model"
+                if self.draft_model is None
+                else f"a draft-model is given but speculative is {self.speculative}: drop one of them"
+            )
+        if self.draft_model is not None and self.draft_model.startswith("self:") and self.draft_model not in SELF_DRAFTS:
+            raise SettingsError(
+                f"draft-model {self.draft_model!r}: choose {' or '.join(SELF_DRAFTS)} (the target's weights "
+                "quantized), or a GGUF file, a Hugging Face folder or a built-in model name"
+            )
+        if self.draft_kv_cache_memory is not None and self.draft_kv_cache_memory < 1:
+            raise SettingsError(f"draft-kv-cache-memory must be at least 1, not {self.draft_kv_cache_memory}")
         for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
@@ -72,7 +88,18 @@ def settings_from_args(args) -> EngineSettings:
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 512),
         enable_prefix_cache=not getattr(args, "no_prefix_cache", False),
         queue_timeout=getattr(args, "queue_timeout", None),
-        speculative=getattr(args, "speculative", "none"),  # `complete`: off, as LLMEngine defaults
+        speculative=_speculative(args),
         num_speculative_tokens=getattr(args, "num_speculative_tokens", 8),
+        draft_model=getattr(args, "draft_model", None),
+        draft_kv_cache_memory=getattr(args, "draft_kv_cache_memory", None),
         threads=None,
     )
+
+
+def _speculative(args) -> str:
+    """--speculative, by default draft with a --draft-model and ngram without; `complete` (no such option): off, as
+    LLMEngine defaults."""
+    method = getattr(args, "speculative", "none")
+    if method is None:
+        return "draft" if getattr(args, "draft_model", None) else "ngram"
+    return method

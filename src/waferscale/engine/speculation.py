@@ -1,4 +1,7 @@
-"""Speculative decoding by n-gram (prompt lookup): a sequence's own prompt and output propose its next tokens.
+"""Speculative decoding: who proposes a sequence's next tokens (n-gram lookup here, a draft model in
+engine/draft_model.py), how many, and when not to.
+
+N-gram (prompt lookup): a sequence's own prompt and output propose its next tokens.
 
 Where the latest tokens occurred before (in a document being quoted, code being edited, a JSON being filled in), the
 tokens that followed them then are proposed now, and verified in one forward as the rows of a predicted output are
@@ -13,22 +16,49 @@ from dataclasses import dataclass, field
 
 NGRAMS = (4, 3, 2)  # suffix lengths looked up, longest first
 START_K = 4  # drafts proposed at first
+METHODS = ("none", "ngram", "draft")
 
 
 @dataclass
-class NgramState:
-    """One sequence's n-gram index and its adaptive draft count."""
+class AdaptiveK:
+    """One sequence's draft count, adapted to how many of its drafts were accepted (every proposer's)."""
 
-    index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its latest earlier occurrence
-    indexed: int = 0  # n-grams ending at positions up to this one are in the index
     k: int = START_K
     misses: int = 0  # verifications in a row that accepted nothing
     pause: int = 0  # steps left without speculation
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `tokens` found."""
+    def paused(self) -> bool:
+        """Whether this step goes without drafts (counting the pause down)."""
         if self.pause > 0:
             self.pause -= 1
+            return True
+        return False
+
+    def update(self, proposed: int, accepted: int, max_k: int) -> None:
+        """Adapt the draft count to a verification's outcome: more after all were accepted, fewer after a miss,
+        a pause of 2, 4, ... 32 steps after misses in a row."""
+        if proposed == 0:
+            return
+        if accepted == proposed:
+            self.k, self.misses = min(max_k, self.k * 2), 0
+        elif accepted:
+            self.k, self.misses = max(1, accepted + 1), 0
+        else:
+            self.k = max(1, self.k // 2)
+            self.misses += 1
+            self.pause = min(32, 1 << self.misses)
+
+
+@dataclass
+class NgramState(AdaptiveK):
+    """One sequence's n-gram index and its adaptive draft count."""
+
+    index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its latest earlier occurrence
+    indexed: int = 0  # n-grams ending at positions up to this one are in the index
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `tokens` found."""
+        if self.paused():
             return []
         k = min(k, self.k)
         if k <= 0:
@@ -47,33 +77,20 @@ class NgramState:
                 return tokens[at : at + k]
         return []
 
-    def update(self, proposed: int, accepted: int, max_k: int) -> None:
-        """Adapt the draft count to a verification's outcome: more after all were accepted, fewer after a miss,
-        a pause of 2, 4, ... 32 steps after misses in a row."""
-        if proposed == 0:
-            return
-        if accepted == proposed:
-            self.k, self.misses = min(max_k, self.k * 2), 0
-        elif accepted:
-            self.k, self.misses = max(1, accepted + 1), 0
-        else:
-            self.k = max(1, self.k // 2)
-            self.misses += 1
-            self.pause = min(32, 1 << self.misses)
-
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`--speculative` and its limits: method (none or ngram), the most drafts a step, and the most sequences
-    decoding at once for which it still pays (beyond, a step is bound by compute, and drafts only add to it)."""
+    """`--speculative` and its limits: method (none, ngram or draft: a draft model's), the most drafts a step, and
+    the most sequences decoding at once for which it still pays (beyond, a step is bound by compute, and drafts
+    only add to it)."""
 
     method: str = "none"
     max_draft: int = 8
     max_seqs: int = 4
 
     def __post_init__(self) -> None:
-        if self.method not in ("none", "ngram"):
-            raise ValueError(f"unknown speculative method {self.method!r} (choose none or ngram)")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r} (choose {', '.join(METHODS)})")
         if self.max_draft < 1:
             raise ValueError("the number of speculative tokens must be at least 1")
 
