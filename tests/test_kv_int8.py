@@ -1,0 +1,165 @@
+"""The int8 KV cache's attention: the native kernels and the PyTorch fallback read an int8 pool as the same
+attention over its dequantized values (decode rows and a prefill chunk, with a sliding window and sink logits),
+a fused decode stores the very bytes the PyTorch path stores, and the pool counts its scales."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from waferscale import kernels
+from waferscale.engine import kv_int8
+from waferscale.engine.kv_cache import KVGroup, KVPool, PagedBatch
+from waferscale.models import load_model
+from waferscale.models.layers.attention import paged_attention
+
+native = kernels.load()
+needs_native = pytest.mark.skipif(native is None, reason="native kernels unavailable")
+
+H, KVH, D, BS = 6, 2, 32, 16
+# two decode rows (lengths 40 and 75) and a prefill chunk of positions 20..49 of a third sequence
+DECODE_LENGTHS = [40, 75]
+TABLES = [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
+PREFILL_TABLE, PREFILL_START, PREFILL_END = [9, 10, 11, 12], 20, 50
+
+
+def _slots(table: list[int], positions: range) -> torch.Tensor:
+    return torch.tensor([table[p // BS] * BS + p % BS for p in positions])
+
+
+def _history(pool: KVPool, seed: int = 0) -> None:
+    """Keys and values of every position before this step's rows, written as the engine writes them."""
+    g = torch.Generator().manual_seed(seed)
+    cache = pool.layer_kv(0)
+    for table, n in [*zip(TABLES, [n - 1 for n in DECODE_LENGTHS]), (PREFILL_TABLE, PREFILL_START)]:
+        slots = _slots(table, range(n))
+        cache.write(slots, torch.randn(n, KVH, D, generator=g), torch.randn(n, KVH, D, generator=g) * 3)
+
+
+def _plan(pool: KVPool, use_native: bool) -> PagedBatch:
+    slots = torch.cat(
+        [_slots(t, range(n - 1, n)) for t, n in zip(TABLES, DECODE_LENGTHS)]
+        + [_slots(PREFILL_TABLE, range(PREFILL_START, PREFILL_END))]
+    )
+    rows = len(DECODE_LENGTHS)
+    prefill = (rows, rows + PREFILL_END - PREFILL_START, torch.tensor(PREFILL_TABLE), PREFILL_START, PREFILL_END, 0)
+    group = KVGroup(slots, torch.tensor(TABLES), torch.tensor(DECODE_LENGTHS), prefills=[prefill])
+    return PagedBatch(pool, num_decode=rows, native=native if use_native else None, groups=[group])
+
+
+def _step(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    rows = len(DECODE_LENGTHS) + PREFILL_END - PREFILL_START
+    return torch.randn(rows, H, D, generator=g), torch.randn(rows, KVH, D, generator=g), torch.randn(
+        rows, KVH, D, generator=g
+    )
+
+
+def _pool(dtype) -> KVPool:
+    return KVPool(1, KVH, D, dtype, 13, BS, compute_dtype=torch.float32)
+
+
+@needs_native
+@pytest.mark.parametrize("window,sinks", [(None, False), (24, False), (None, True), (24, True)])
+def test_native_and_pytorch_read_int8_as_attention_over_the_dequantized_values(window, sinks):
+    q, k, v = _step()
+    sink = torch.randn(H) if sinks else None
+    outs = {}
+    for name, use_native in (("native", True), ("pytorch", False)):
+        pool = _pool(torch.int8)
+        _history(pool)
+        outs[name] = paged_attention(_plan(pool, use_native), 0, q, k, v, D**-0.5, window, sink)
+    # the reference: a float32 pool holding exactly the int8 pool's values after the step
+    ref_pool = _pool(torch.float32)
+    ref_pool.k[0] = kv_int8.dequantize(pool.k[0], pool.k_scale[0])
+    ref_pool.v[0] = kv_int8.dequantize(pool.v[0], pool.v_scale[0])
+    deq = [kv_int8.dequantize(*kv_int8.quantize(x)) for x in (k, v)]
+    want = paged_attention(_plan(ref_pool, False), 0, q, *deq, D**-0.5, window, sink)
+    torch.testing.assert_close(outs["native"], want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(outs["pytorch"], want, atol=2e-5, rtol=1e-5)
+    # and the unquantized values give nearly, not exactly, the same attention
+    exact = _pool(torch.float32)
+    _history(exact)
+    diff = (paged_attention(_plan(exact, False), 0, q, k, v, D**-0.5, window, sink) - want).abs().max().item()
+    assert 1e-4 < diff < 0.1
+
+
+def test_an_int8_pool_counts_its_scales_and_holds_about_twice_the_tokens_of_bfloat16():
+    args = (30, 3, 64)  # the built-in model's layers, KV heads and head size
+    int8 = KVPool.bytes_per_block(*args, torch.int8, BS)
+    bf16 = KVPool.bytes_per_block(*args, torch.bfloat16, BS)
+    assert int8 == 2 * 30 * BS * 3 * (64 + 4)
+    assert 1.85 < bf16 / int8 < 2
+    pool = KVPool(*args, torch.int8, 5, BS)
+    assert pool.nbytes == 5 * int8 and pool.k_scale.dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def builtin_bf16():
+    return load_model(None, dtype="bfloat16", quantization="none", progress=False)
+
+
+@needs_native
+def test_fused_decode_stores_the_bytes_the_pytorch_path_stores(builtin_bf16):
+    """A decode-only batch quantizes its new keys and values in the native call: the same int8 values and scales as
+    kv_int8.quantize in the PyTorch path, and an attention output as close as bf16 allows."""
+    cfg, model = builtin_bf16.config, builtin_bf16.model
+    attn = model.layers[3].self_attn
+    lengths = torch.tensor([1, 16, 17, 90])
+    width = int(-(-lengths.max() // BS))
+    tables = torch.arange(1, 1 + len(lengths) * width).view(len(lengths), width)
+    last = lengths - 1
+    slots = tables[torch.arange(len(lengths)), last // BS] * BS + last % BS
+    torch.manual_seed(4)
+    x = torch.randn(len(lengths), cfg.hidden_size).bfloat16()
+    rope = model.rotary(last)
+    results = []
+    for fused in (True, False):
+        pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.int8, 1 + tables.numel(), BS)
+        torch.manual_seed(5)  # the same earlier keys and values in both pools
+        pool.k.random_(-127, 128)
+        pool.v.random_(-127, 128)
+        pool.k_scale.uniform_(0.001, 0.03)
+        pool.v_scale.uniform_(0.001, 0.03)
+        batch = PagedBatch(pool, slots, num_decode=len(lengths), decode_tables=tables, decode_lengths=lengths)
+        batch.native = native if fused else None
+        assert batch.can_fuse_decode(len(lengths), cfg.head_dim) is fused
+        out = attn(x, rope, batch, 3)
+        results.append((out, *(t[3][slots].clone() for t in (pool.k, pool.v, pool.k_scale, pool.v_scale))))
+    (out_f, *stored_f), (out_t, *stored_t) = results
+    for a, b in zip(stored_f, stored_t):
+        assert torch.equal(a, b)
+    assert stored_f[0].abs().amax(-1).eq(127).all()  # each head's largest value lands on 127
+    torch.testing.assert_close(out_f.float(), out_t.float(), atol=2e-2, rtol=2**-7)
+
+
+@needs_native
+def test_whole_layer_decode_with_int8_kv_matches_the_modules_bit_for_bit(builtin_bf16):
+    """decode_layer (each layer one native call) and the layers' modules store and read an int8 pool alike."""
+    cfg, model = builtin_bf16.config, builtin_bf16.model
+    assert model.decode_layers is not None
+    lengths = torch.tensor([1, 16, 17, 90])
+    rows, width = len(lengths), int(-(-lengths.max() // BS))
+    tables = torch.arange(1, 1 + rows * width).view(rows, width)
+    last = lengths - 1
+    slots = tables[torch.arange(rows), last // BS] * BS + last % BS
+    ids = torch.tensor([42, 7, 1000, 31])
+    results = []
+    for whole in (True, False):
+        pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.int8, 1 + tables.numel(), BS)
+        torch.manual_seed(5)
+        pool.k.random_(-127, 128)
+        pool.v.random_(-127, 128)
+        pool.k_scale.uniform_(0.001, 0.03)
+        pool.v_scale.uniform_(0.001, 0.03)
+        batch = PagedBatch(pool, slots, num_decode=rows, decode_tables=tables, decode_lengths=lengths, native=native)
+        saved = model.decode_layers
+        if not whole:
+            model.decode_layers = None
+        try:
+            hidden = model(ids, last, batch)
+        finally:
+            model.decode_layers = saved
+        results.append((hidden, pool.k[:, slots].clone(), pool.k_scale[:, slots].clone(), pool.v_scale[:, slots]))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
