@@ -17,6 +17,7 @@ from test_moe import _randomize as _randomize_moe
 
 from waferscale import kernels
 from waferscale.engine import LLMEngine, SamplingParams
+from waferscale.engine.speculation import SpeculativeConfig
 from waferscale.models import load_model
 
 PROMPT, NEW_TOKENS = 90, 6
@@ -105,3 +106,24 @@ def test_without_native_kernels_int8_kv_scores_as_float32_kv_does(family, monkey
     monkeypatch.setattr(kernels, "load", lambda: None)
     _, loaded = family
     assert _close(_deviations(loaded))
+
+
+@pytest.mark.parametrize("family", ["gemma3"], indirect=True)
+def test_speculative_drafts_verified_over_int8_kv_change_nothing(family):
+    """Each token's keys and values are rounded on their own scale, so n-gram drafts verified as decode rows in one
+    forward store and read what decoding one token a step does: the same greedy tokens, past the window."""
+    _, loaded = family
+    ids = (torch.randint(100, 40000, (20,), generator=torch.Generator().manual_seed(3)).tolist() * 5)[:90]
+    outputs = []
+    for method in ("none", "ngram"):
+        engine = LLMEngine(loaded, kv_cache_bytes=8 << 20, max_num_batched_tokens=32, kv_cache_dtype="int8",
+                           speculative=SpeculativeConfig(method))  # fmt: skip
+        engine.add_request("r", ids, SamplingParams(max_tokens=24, min_tokens=24, temperature=0))
+        tokens = []
+        while engine.has_work():
+            for ev in engine.step():
+                tokens.extend(ev.token_ids)
+        outputs.append((tokens, engine.stats().speculative_draft_tokens))
+    (plain, _), (speculated, drafts) = outputs
+    assert drafts > 0 and speculated == plain
+
