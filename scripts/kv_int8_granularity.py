@@ -1,5 +1,6 @@
-"""Which int8 KV scale granularity: the rounding error of real keys and values under a scale per token and head (what
---kv-cache-dtype int8 stores) against a scale per block of 16 tokens and head, and the bytes each costs.
+"""Which int8 KV scale granularity: the rounding error of real keys and values under a scale per token and head, per
+token, head and 64 channels (what --kv-cache-dtype int8 stores), and per block of 16 tokens and head, and the bytes
+each costs.
 
 Usage: .venv/bin/python scripts/kv_int8_granularity.py [--model PATH] [--context 1024]
 
@@ -23,16 +24,27 @@ ROOT = Path(__file__).resolve().parent.parent
 BS = 16
 
 
+def _round(groups: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 rounding with one scale per last-dimension vector, back to float32."""
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    return torch.round(groups / torch.where(scale > 0, scale, torch.ones_like(scale))) * scale
+
+
+def per_head(x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, D] rounded with one scale per token and head."""
+    return _round(x)
+
+
+def per_64(x: torch.Tensor) -> torch.Tensor:
+    """One scale per token, head and 64 channels: what --kv-cache-dtype int8 stores (engine/kv_int8)."""
+    return kv_int8.dequantize(*kv_int8.quantize(x))
+
+
 def per_block(x: torch.Tensor) -> torch.Tensor:
-    """x [tokens, heads, D] rounded with one scale per block of BS tokens and head."""
+    """One scale per block of BS tokens and head."""
     t, h, d = x.shape
     blocks = x.view(t // BS, BS, h, d).transpose(1, 2).reshape(t // BS, h, BS * d)
-    q, s = kv_int8.quantize(blocks)
-    return kv_int8.dequantize(q, s).view(t // BS, h, BS, d).transpose(1, 2).reshape(t, h, d)
-
-
-def per_token(x: torch.Tensor) -> torch.Tensor:
-    return kv_int8.dequantize(*kv_int8.quantize(x))
+    return _round(blocks).view(t // BS, h, BS, d).transpose(1, 2).reshape(t, h, d)
 
 
 def main() -> None:
@@ -50,8 +62,11 @@ def main() -> None:
     print(f"model: {loaded.name}; {n} tokens of context; {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads of "
           f"{cfg.head_dim}")
     d = cfg.head_dim
-    schemes = {"per token and head": (per_token, (d + 4) / (2 * d)), "per block of 16 and head": (per_block,
-               (d + 4 / BS) / (2 * d))}  # fmt: skip
+    schemes = {
+        "per token and head": (per_head, (d + 4) / (2 * d)),
+        "per token, head, 64 ch.": (per_64, (d + 4 * kv_int8.num_scales(d)) / (2 * d)),
+        "per block of 16 and head": (per_block, (d + 4 / BS) / (2 * d)),
+    }
     print(f"{'scale':<26} {'keys rel. RMS err':>18} {'values rel. RMS err':>20} {'bytes vs bf16':>14}")
     for name, (fn, size) in schemes.items():
         errs = []

@@ -24,7 +24,7 @@ from waferscale.models.layers.attention import paged_attention
 native = kernels.load()
 needs_native = pytest.mark.skipif(native is None, reason="native kernels unavailable")
 
-H, KVH, D, BS = 6, 2, 32, 16
+H, KVH, BS = 6, 2, 16
 TEXT = Path(__file__).parent / "data" / "kv_int8_text.md"
 PROMPTS, LENGTH, CHUNK, DECODED = 2, 192, 32, 8
 # two decode rows (lengths 40 and 75) and a prefill chunk of positions 20..49 of a third sequence
@@ -41,9 +41,10 @@ def _history(pool: KVPool, seed: int = 0) -> None:
     """Keys and values of every position before this step's rows, written as the engine writes them."""
     g = torch.Generator().manual_seed(seed)
     cache = pool.layer_kv(0)
+    d = pool.k.shape[-1]
     for table, n in [*zip(TABLES, [n - 1 for n in DECODE_LENGTHS]), (PREFILL_TABLE, PREFILL_START)]:
         slots = _slots(table, range(n))
-        cache.write(slots, torch.randn(n, KVH, D, generator=g), torch.randn(n, KVH, D, generator=g) * 3)
+        cache.write(slots, torch.randn(n, KVH, d, generator=g), torch.randn(n, KVH, d, generator=g) * 3)
 
 
 def _plan(pool: KVPool, use_native: bool) -> PagedBatch:
@@ -57,40 +58,41 @@ def _plan(pool: KVPool, use_native: bool) -> PagedBatch:
     return PagedBatch(pool, num_decode=rows, native=native if use_native else None, groups=[group])
 
 
-def _step(seed: int = 1):
+def _step(d: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     rows = len(DECODE_LENGTHS) + PREFILL_END - PREFILL_START
-    return torch.randn(rows, H, D, generator=g), torch.randn(rows, KVH, D, generator=g), torch.randn(
-        rows, KVH, D, generator=g
+    return torch.randn(rows, H, d, generator=g), torch.randn(rows, KVH, d, generator=g), torch.randn(
+        rows, KVH, d, generator=g
     )
 
 
-def _pool(dtype) -> KVPool:
-    return KVPool(1, KVH, D, dtype, 13, BS, compute_dtype=torch.float32)
+def _pool(dtype, d: int) -> KVPool:
+    return KVPool(1, KVH, d, dtype, 13, BS, compute_dtype=torch.float32)
 
 
 @needs_native
 @pytest.mark.parametrize("window,sinks", [(None, False), (24, False), (None, True), (24, True)])
-def test_native_and_pytorch_read_int8_as_attention_over_the_dequantized_values(window, sinks):
-    q, k, v = _step()
+@pytest.mark.parametrize("d", [32, 128])  # one scale a head; two (64 channels each)
+def test_native_and_pytorch_read_int8_as_attention_over_the_dequantized_values(window, sinks, d):
+    q, k, v = _step(d)
     sink = torch.randn(H) if sinks else None
     outs = {}
     for name, use_native in (("native", True), ("pytorch", False)):
-        pool = _pool(torch.int8)
+        pool = _pool(torch.int8, d)
         _history(pool)
-        outs[name] = paged_attention(_plan(pool, use_native), 0, q, k, v, D**-0.5, window, sink)
+        outs[name] = paged_attention(_plan(pool, use_native), 0, q, k, v, d**-0.5, window, sink)
     # the reference: a float32 pool holding exactly the int8 pool's values after the step
-    ref_pool = _pool(torch.float32)
+    ref_pool = _pool(torch.float32, d)
     ref_pool.k[0] = kv_int8.dequantize(pool.k[0], pool.k_scale[0])
     ref_pool.v[0] = kv_int8.dequantize(pool.v[0], pool.v_scale[0])
     deq = [kv_int8.dequantize(*kv_int8.quantize(x)) for x in (k, v)]
-    want = paged_attention(_plan(ref_pool, False), 0, q, *deq, D**-0.5, window, sink)
+    want = paged_attention(_plan(ref_pool, False), 0, q, *deq, d**-0.5, window, sink)
     torch.testing.assert_close(outs["native"], want, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(outs["pytorch"], want, atol=2e-5, rtol=1e-5)
     # and the unquantized values give nearly, not exactly, the same attention
-    exact = _pool(torch.float32)
+    exact = _pool(torch.float32, d)
     _history(exact)
-    diff = (paged_attention(_plan(exact, False), 0, q, k, v, D**-0.5, window, sink) - want).abs().max().item()
+    diff = (paged_attention(_plan(exact, False), 0, q, k, v, d**-0.5, window, sink) - want).abs().max().item()
     assert 1e-4 < diff < 0.1
 
 
@@ -102,6 +104,36 @@ def test_an_int8_pool_counts_its_scales_and_holds_about_twice_the_tokens_of_bflo
     assert 1.85 < bf16 / int8 < 2
     pool = KVPool(*args, torch.int8, 5, BS)
     assert pool.nbytes == 5 * int8 and pool.k_scale.dtype == torch.float32
+    # Gemma 3 270M's heads of 256: four scales a token and head, the same share of the bytes
+    assert KVPool.bytes_per_block(18, 1, 256, torch.int8, BS) == 2 * 18 * BS * (256 + 16)
+
+
+@needs_native
+def test_the_native_write_rounds_each_64_channels_of_a_wide_head_as_pytorch_does():
+    """decode_attention_bf16 on heads of 128 (rope an identity here: cos 1, sin 0) stores kv_int8.quantize's bytes
+    and scales, and attends as the PyTorch path over the same pool."""
+    torch.manual_seed(2)
+    d, rows = 128, 2
+    pool = KVPool(1, KVH, d, torch.int8, 13, BS, compute_dtype=torch.float32)
+    _history(pool)
+    qkv = torch.randn(rows, (H + 2 * KVH) * d).bfloat16()
+    qkv[:, (H + 1) * d + 5] = 40.0  # an outlier in channel 5 of the second key head
+    slots = torch.cat([_slots(t, range(n - 1, n)) for t, n in zip(TABLES, DECODE_LENGTHS)])
+    tables, lengths = torch.tensor(TABLES), torch.tensor(DECODE_LENGTHS)
+    c = pool.layer_kv(0)
+    out = native.decode_attention_bf16(
+        qkv, torch.ones(rows, d).bfloat16(), torch.zeros(rows, d).bfloat16(), c.k, c.v, slots, tables, lengths, H,
+        d**-0.5, BS, k_scale=c.k_scale, v_scale=c.v_scale,
+    )  # fmt: skip
+    k = qkv[:, H * d : (H + KVH) * d].view(rows, KVH, d)
+    v = qkv[:, (H + KVH) * d :].view(rows, KVH, d)
+    for stored, scales, x in ((c.k, c.k_scale, k), (c.v, c.v_scale, v)):
+        q, s = kv_int8.quantize(x)
+        assert torch.equal(stored[slots], q) and torch.equal(scales[slots], s)
+    assert c.k_scale[slots][0, 1, 0] > 10 * c.k_scale[slots][0, 1, 1]  # the outlier's group only
+    plan = PagedBatch(pool, slots, num_decode=rows, decode_tables=tables, decode_lengths=lengths)
+    want = paged_attention(plan, 0, qkv[:, : H * d].view(rows, H, d).float(), k, v, d**-0.5)
+    torch.testing.assert_close(out.float().view(rows, H, d), want, atol=1e-2, rtol=2**-7)
 
 
 @pytest.fixture(scope="module")

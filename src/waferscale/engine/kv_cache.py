@@ -59,7 +59,8 @@ class KVLayout:
 @dataclass(frozen=True)
 class LayerKV:
     """One layer's keys and values ([slots, kv_heads, head_dim] each) and, for an int8 pool, their float32 scales
-    ([slots, kv_heads]: one per token and head, see kv_int8); attention reads them in `compute_dtype`."""
+    ([slots, kv_heads, scales]: per token, head and 64 channels, see kv_int8); attention reads them in
+    `compute_dtype`."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -88,7 +89,8 @@ class LayerKV:
         for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
             rows = cache.view(-1, block_size * heads * dim).index_select(0, pages).view(-1, heads, dim)
             if scales is not None:
-                s = scales.view(-1, block_size * heads).index_select(0, pages).view(-1, heads)
+                n = scales.shape[-1]
+                s = scales.view(-1, block_size * heads * n).index_select(0, pages).view(-1, heads, n)
                 rows = kv_int8.dequantize(rows, s, self.compute_dtype)
             out.append(rows)
         return out[0], out[1]
@@ -97,8 +99,9 @@ class LayerKV:
 class KVPool:
     """Keys and values of every sequence, in pages: [group_size, pages * block_size, kv_heads, head_dim] each; a
     layer reads the slice of its place in its group (KVLayout). Without windows, one group holds every layer and a
-    page is a block of every layer, as a plain paged cache. An int8 pool (dtype torch.int8) also keeps a float32
-    scale per token and KV head ([group_size, pages * block_size, kv_heads]) and is read in `compute_dtype`.
+    page is a block of every layer, as a plain paged cache. An int8 pool (dtype torch.int8) also keeps float32 scales
+    per token, KV head and 64 channels ([group_size, pages * block_size, kv_heads, kv_int8.num_scales(head_dim)])
+    and is read in `compute_dtype`.
 
     Page 0 stays zero: padded reads point there. Pages are touched only when written.
     """
@@ -128,8 +131,9 @@ class KVPool:
         self.v = torch.zeros(shape, dtype=dtype)
         self.k_scale = self.v_scale = None
         if dtype == torch.int8:
-            self.k_scale = torch.zeros(shape[:3], dtype=torch.float32)
-            self.v_scale = torch.zeros(shape[:3], dtype=torch.float32)
+            scales = (*shape[:3], kv_int8.num_scales(head_dim))
+            self.k_scale = torch.zeros(scales, dtype=torch.float32)
+            self.v_scale = torch.zeros(scales, dtype=torch.float32)
 
     def layer_kv(self, index: int) -> LayerKV:
         """The caches of slice `index` of every group."""
@@ -146,8 +150,10 @@ class KVPool:
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int
     ):
         """Bytes of `block_size` tokens of keys and values in `num_layers` layers (a page: its group's layers),
-        with an int8 pool's float32 scale per token and head."""
-        per_head = head_dim * torch.empty(0, dtype=dtype).element_size() + (4 if dtype == torch.int8 else 0)
+        with an int8 pool's float32 scales."""
+        per_head = head_dim * torch.empty(0, dtype=dtype).element_size()
+        if dtype == torch.int8:
+            per_head += 4 * kv_int8.num_scales(head_dim)
         return 2 * num_layers * block_size * num_kv_heads * per_head
 
 

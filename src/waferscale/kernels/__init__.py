@@ -187,14 +187,18 @@ _KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # cpu_kernel
 
 
 def _kv_format(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> int:
-    """cpu_kernels.c's fmt of a KV cache; an int8 cache needs its float32 scales [slots, kv_heads]."""
+    """cpu_kernels.c's fmt of a KV cache; an int8 cache needs its float32 scales [slots, kv_heads, scales]."""
+    from waferscale.engine import kv_int8
+
     fmt = _KV_FORMATS.get(k_cache.dtype)
     if fmt is None:
         raise ValueError(f"native attention reads float32, bfloat16 or int8 KV caches, not {k_cache.dtype}")
     if (fmt == 2) != (k_scale is not None and v_scale is not None):
         raise ValueError("an int8 KV cache needs its key and value scales, and only an int8 cache takes them")
-    if fmt == 2 and (k_scale.dtype != torch.float32 or k_scale.shape != k_cache.shape[:2]):
-        raise ValueError("int8 KV scales must be float32 [slots, kv_heads]")
+    if fmt == 2:
+        want = (*k_cache.shape[:2], kv_int8.num_scales(k_cache.shape[2]))
+        if any(s.dtype != torch.float32 or s.shape != want or not s.is_contiguous() for s in (k_scale, v_scale)):
+            raise ValueError(f"int8 KV scales must be float32 {list(want)}, contiguous (see engine/kv_int8)")
     return fmt
 
 
@@ -298,9 +302,9 @@ class NativeKernels:
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: float32 [B, H, D]; caches: [slots, KVH, D] float32, bfloat16, or int8 with float32 scales k_scale,
-        v_scale [slots, KVH] (engine/kv_int8); tables: int64 [B, W]; lengths: int64 [B]; starts: int64 [B], the
-        first position each row sees (a sliding window; None: 0); sinks: float32 [H], a logit per head joining the
-        softmax's denominator (None: none). Returns float32 [B, H, D]."""
+        v_scale [slots, KVH, scales] (one per 64 channels: engine/kv_int8); tables: int64 [B, W]; lengths: int64
+        [B]; starts: int64 [B], the first position each row sees (a sliding window; None: 0); sinks: float32 [H], a
+        logit per head joining the softmax's denominator (None: none). Returns float32 [B, H, D]."""
         b, h, d = q.shape
         kvh = k_cache.shape[1]
         out = torch.empty_like(q)

@@ -48,9 +48,13 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* KV cache formats (the `fmt` argument): float32, bfloat16, or int8 with a float32 scale per slot and kv head
- * (scales [slots, kv_heads]; engine/kv_int8.py) */
+/* KV cache formats (the `fmt` argument): float32, bfloat16, or int8 with float32 scales per slot, kv head and
+ * KV_GROUP channels (scales [slots, kv_heads, D / kv_group(D)]; engine/kv_int8.py) */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+#define KV_GROUP 64
+
+/* Channels per int8 scale: KV_GROUP where D is a multiple of it, else the whole head (kv_int8.group_size). */
+static inline int64_t kv_group(int64_t D) { return D % KV_GROUP == 0 ? KV_GROUP : D; }
 
 /* The pool slot of position t of a sequence whose block table is `table`. */
 static inline int64_t slot_of(const int64_t *table, int64_t t, int64_t block_size) {
@@ -68,8 +72,9 @@ static inline const float *cache_row(const void *cache, int is_bf16, int64_t slo
 }
 
 /* q[0..D) = round-to-nearest-even(x / s) in int8 and *scale = s, with s = max |x| / 127 (1 as the divisor of an
- * all-zero x): engine/kv_int8.quantize's IEEE operations exactly (no -ffast-math here: a reciprocal in place of
- * the division would round some values to the other integer), so both paths store the same bytes. */
+ * all-zero x), for one group of D channels: engine/kv_int8.quantize's IEEE operations exactly (no -ffast-math here:
+ * a reciprocal in place of the division would round some values to the other integer), so both paths store the
+ * same bytes. */
 __attribute__((noinline, optimize("no-fast-math"))) static void kv_quantize(const float *x, int64_t D, int8_t *q,
                                                                             float *scale) {
     float amax = 0.f;
@@ -90,9 +95,11 @@ __attribute__((noinline, optimize("no-fast-math"))) static void kv_quantize(cons
 static inline void store_head(void *cache, float *scales, int fmt, int64_t slot, int64_t KVH, int64_t h, int64_t D,
                               const float *x) {
     const int64_t at = (slot * KVH + h) * D;
-    if (fmt == KV_I8)
-        kv_quantize(x, D, (int8_t *)cache + at, scales + slot * KVH + h);
-    else if (fmt == KV_BF16)
+    if (fmt == KV_I8) {
+        const int64_t g = kv_group(D), ng = D / g;
+        for (int64_t j = 0; j < ng; j++)
+            kv_quantize(x + j * g, g, (int8_t *)cache + at + j * g, scales + (slot * KVH + h) * ng + j);
+    } else if (fmt == KV_BF16)
         for (int64_t d = 0; d < D; d++) ((uint16_t *)cache)[at + d] = f32_to_bf16(x[d]);
     else
         memcpy((float *)cache + at, x, (size_t)D * sizeof(float));
@@ -104,14 +111,14 @@ static inline void store_head(void *cache, float *scales, int fmt, int64_t slot,
  * One sequence per task: each slot's keys (all kv heads, contiguous) are read once, by one thread. */
 /* As paged_decode_attention, over positions starts[b] .. lengths[b] - 1 of each sequence (starts NULL: from 0;
  * a sliding window), with sinks[h] (NULL: none) joining each head's softmax denominator as one more logit. An int8
- * cache (fmt KV_I8) is read as it is stored: q . k_int8 times the key's scale, and each value's probability times
- * its scale, so nothing is widened to a float copy first. */
+ * cache (fmt KV_I8) is read as it is stored: q . k_int8 over each group of channels times that group's scale, and
+ * each value's probability times its group's scale, so nothing is widened to a float copy first. */
 void paged_decode_attention_ex(const float *q, const void *k_cache, const void *v_cache, int fmt,
                                const float *k_scale, const float *v_scale, const int64_t *tables,
                                const int64_t *starts, const int64_t *lengths, const float *sinks, float *out,
                                int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t W, int64_t block_size,
                                float scale) {
-    const int64_t G = H / KVH, row_len = KVH * D;
+    const int64_t G = H / KVH, row_len = KVH * D, qg = kv_group(D), ng = D / qg;
     const int is_bf16 = fmt == KV_BF16;
 #pragma omp parallel
     {
@@ -134,14 +141,18 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
                 const int64_t slot = slot_of(table, first + t, block_size);
                 if (fmt == KV_I8) {
                     const int8_t *k = (const int8_t *)k_cache + slot * row_len;
-                    const float *ks = k_scale + slot * KVH;
+                    const float *ks = k_scale + slot * KVH * ng;
                     for (int64_t h = 0; h < H; h++) {
-                        const float *qh = qb + h * D;
+                        const float *qh = qb + h * D, *kss = ks + (h / G) * ng;
                         const int8_t *kh = k + (h / G) * D;
                         float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                        for (int64_t d = 0; d < D; d++) s += qh[d] * (float)kh[d];
-                        scores[h * len + t] = s * ks[h / G] * scale;
+                        for (int64_t j = 0; j < ng; j++) {
+                            float sj = 0.f;
+#pragma omp simd reduction(+ : sj)
+                            for (int64_t d = j * qg; d < (j + 1) * qg; d++) sj += qh[d] * (float)kh[d];
+                            s += sj * kss[j];
+                        }
+                        scores[h * len + t] = s * scale;
                     }
                     continue;
                 }
@@ -176,13 +187,15 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
                 const int64_t slot = slot_of(table, first + t, block_size);
                 if (fmt == KV_I8) {
                     const int8_t *v = (const int8_t *)v_cache + slot * row_len;
-                    const float *vs = v_scale + slot * KVH;
+                    const float *vs = v_scale + slot * KVH * ng;
                     for (int64_t h = 0; h < H; h++) {
-                        const float p = scores[h * len + t] * vs[h / G];
                         const int8_t *vh = v + (h / G) * D;
                         float *ah = acc + h * D;
+                        for (int64_t j = 0; j < ng; j++) {
+                            const float p = scores[h * len + t] * vs[(h / G) * ng + j];
 #pragma omp simd
-                        for (int64_t d = 0; d < D; d++) ah[d] += p * (float)vh[d];
+                            for (int64_t d = j * qg; d < (j + 1) * qg; d++) ah[d] += p * (float)vh[d];
+                        }
                     }
                     continue;
                 }
