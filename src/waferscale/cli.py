@@ -212,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "bfloat16", "float32", "int8"],
         default="auto",
         help="how keys and values are stored: auto (default) the model's dtype where the CPU has bf16 arithmetic, "
-        "else float32; int8: one byte a value plus a float32 scale per token and KV head, about twice the tokens "
-        "of bfloat16 in the same --kv-cache-memory (docs/models.md)",
+        "else float32; int8: one byte a value plus a float32 scale per token, KV head and 64 channels, 1.88x the "
+        "tokens of bfloat16 in the same --kv-cache-memory (docs/models.md)",
     )
     serve.add_argument(
         "--max-num-seqs", type=int, default=64, metavar="N", help="most sequences running at once"

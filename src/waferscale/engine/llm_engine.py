@@ -141,7 +141,7 @@ class LLMEngine:
             kinds,
             "any number of" if longest is None else longest,
             str(kv_dtype).removeprefix("torch.")
-            + (" with a float32 scale a token and head" if kv_dtype == torch.int8 else ""),
+            + (" with a float32 scale per token, head and 64 channels" if kv_dtype == torch.int8 else ""),
             cfg.num_kv_heads,
             cfg.head_dim,
         )
