@@ -1,7 +1,8 @@
 """KV-cache capacity of a model: KB a token per layer kind, the longest sequence the pool holds, and how many
 sequences of a given context fit, beside the figures of a cache where every layer keeps every block.
 
-Usage: .venv/bin/python scripts/kv_capacity.py [--model gemma-3-270m] [--kv-cache-memory 512] [--run TOKENS]
+Usage: .venv/bin/python scripts/kv_capacity.py [--model gemma-3-270m] [--kv-cache-memory 512]
+                                               [--kv-cache-dtype auto|bfloat16|float32|int8] [--run TOKENS]
 
 --run feeds one prompt of TOKENS tokens (in chunks of 512) and 16 generated tokens through the engine and prints
 the most pages it held, and the pages every layer keeping every block would take.
@@ -22,12 +23,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--kv-cache-memory", type=int, default=512, help="MiB")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int8"])
     ap.add_argument("--contexts", default="512,2048,8192,32768")
     ap.add_argument("--run", type=int, default=0, help="tokens of one prompt to run through the engine")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     loaded = load_model(args.model, progress=False)
-    engine = LLMEngine(loaded, kv_cache_bytes=args.kv_cache_memory << 20)
+    engine = LLMEngine(loaded, kv_cache_bytes=args.kv_cache_memory << 20, kv_cache_dtype=args.kv_cache_dtype)
     blocks, sched, bs = engine.blocks, engine.scheduler, engine.block_size
     pages = blocks.num_blocks - 1
     layers_per_page = engine.pool.layout.group_size

@@ -16,6 +16,8 @@ HELP = {
     "kv_blocks_used": "KV-cache blocks held by sequences",
     "kv_blocks_free": "KV-cache blocks free or holding evictable cached prefixes",
     "kv_blocks_cached": "KV-cache blocks holding cached prefixes that no sequence uses",
+    "kv_cache_bytes": "memory of the KV cache pool (keys, values and, for --kv-cache-dtype int8, their scales)",
+    "kv_cache_tokens": "tokens whose keys and values the KV cache pool holds in every layer",
     "prefix_cache_queries": "prompt blocks looked up in the prefix cache (once per admission)",
     "prefix_cache_hits": "prompt blocks served from the prefix cache (once per admission)",
     "generated_tokens": "tokens generated",

@@ -107,6 +107,7 @@ def build_engine(settings: EngineSettings) -> BuiltEngine:
         engine = LLMEngine(
             loaded,
             kv_cache_bytes=settings.kv_cache_memory,
+            kv_cache_dtype=settings.kv_cache_dtype,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             enable_prefix_cache=settings.enable_prefix_cache,

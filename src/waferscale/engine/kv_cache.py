@@ -8,6 +8,7 @@ from math import gcd
 
 import torch
 
+from waferscale.engine import kv_int8
 from waferscale.engine.block_manager import BlockKind
 
 
@@ -55,10 +56,52 @@ class KVLayout:
         return group, i % g
 
 
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's keys and values ([slots, kv_heads, head_dim] each) and, for an int8 pool, their float32 scales
+    ([slots, kv_heads, scales]: per token, head and 64 channels, see kv_int8); attention reads them in
+    `compute_dtype`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    compute_dtype: torch.dtype
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store rows' keys and values ([rows, kv_heads, head_dim]) at their slots (quantized for int8)."""
+        if self.k_scale is None:
+            self.k.index_copy_(0, slots, k.to(self.k.dtype))
+            self.v.index_copy_(0, slots, v.to(self.v.dtype))
+            return
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, s = kv_int8.quantize(x)
+            cache.index_copy_(0, slots, q)
+            scales.index_copy_(0, slots, s)
+
+    def gather(self, pages: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of these pages in order, [len(pages) * block_size, kv_heads, head_dim] each, in
+        compute_dtype (an int8 pool's pages dequantized on the way: only the pages read)."""
+        # whole blocks are gathered with index_select (contiguous rows): an order of magnitude faster than advanced
+        # indexing, which copies element by element
+        heads, dim = self.k.shape[1], self.k.shape[2]
+        out = []
+        for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            rows = cache.view(-1, block_size * heads * dim).index_select(0, pages).view(-1, heads, dim)
+            if scales is not None:
+                n = scales.shape[-1]
+                s = scales.view(-1, block_size * heads * n).index_select(0, pages).view(-1, heads, n)
+                rows = kv_int8.dequantize(rows, s, self.compute_dtype)
+            out.append(rows)
+        return out[0], out[1]
+
+
 class KVPool:
     """Keys and values of every sequence, in pages: [group_size, pages * block_size, kv_heads, head_dim] each; a
     layer reads the slice of its place in its group (KVLayout). Without windows, one group holds every layer and a
-    page is a block of every layer, as a plain paged cache.
+    page is a block of every layer, as a plain paged cache. An int8 pool (dtype torch.int8) also keeps float32 scales
+    per token, KV head and 64 channels ([group_size, pages * block_size, kv_heads, kv_int8.num_scales(head_dim)])
+    and is read in `compute_dtype`.
 
     Page 0 stays zero: padded reads point there. Pages are touched only when written.
     """
@@ -72,26 +115,46 @@ class KVPool:
         num_blocks: int,
         block_size: int,
         windows: tuple[int | None, ...] | None = None,
+        compute_dtype: torch.dtype | None = None,
     ):
         self.block_size = block_size
         self.layout = KVLayout(tuple(windows) if windows is not None else (None,) * num_layers)
         if len(self.layout.windows) != num_layers:
             raise ValueError(f"{len(self.layout.windows)} windows given for {num_layers} layers")
         self.place = [self.layout.placement(i) for i in range(num_layers)]
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype or (torch.float32 if dtype == torch.int8 else dtype)
         shape = (self.layout.group_size, num_blocks * block_size, num_kv_heads, head_dim)
         # zeros, not empty: the whole pool is resident from the start, so memory use is known up front and does not
         # creep up as the prefix cache fills every page
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
+        self.k_scale = self.v_scale = None
+        if dtype == torch.int8:
+            scales = (*shape[:3], kv_int8.num_scales(head_dim))
+            self.k_scale = torch.zeros(scales, dtype=torch.float32)
+            self.v_scale = torch.zeros(scales, dtype=torch.float32)
+
+    def layer_kv(self, index: int) -> LayerKV:
+        """The caches of slice `index` of every group."""
+        scales = (None, None) if self.k_scale is None else (self.k_scale[index], self.v_scale[index])
+        return LayerKV(self.k[index], self.v[index], *scales, self.compute_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds (keys, values and any scales)."""
+        return sum(t.nbytes for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
 
     @staticmethod
     def bytes_per_block(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int
     ):
-        """Bytes of `block_size` tokens of keys and values in `num_layers` layers (a page: its group's layers)."""
-        return (
-            2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
-        )
+        """Bytes of `block_size` tokens of keys and values in `num_layers` layers (a page: its group's layers),
+        with an int8 pool's float32 scales."""
+        per_head = head_dim * torch.empty(0, dtype=dtype).element_size()
+        if dtype == torch.int8:
+            per_head += 4 * kv_int8.num_scales(head_dim)
+        return 2 * num_layers * block_size * num_kv_heads * per_head
 
 
 @dataclass
@@ -133,10 +196,10 @@ class PagedBatch:
                 KVGroup(self.slots, self.decode_tables, self.decode_lengths, self.decode_mask, self.prefills)
             ]
 
-    def layer(self, layer: int) -> tuple[KVGroup, torch.Tensor, torch.Tensor]:
-        """A layer's group plan and its key and value caches ([slots, kv_heads, head_dim])."""
+    def layer(self, layer: int) -> tuple[KVGroup, LayerKV]:
+        """A layer's group plan and its caches."""
         group, index = self.pool.place[layer]
-        return self.groups[group], self.pool.k[index], self.pool.v[index]
+        return self.groups[group], self.pool.layer_kv(index)
 
     def can_fuse_decode(self, rows: int, head_dim: int) -> bool:
         """Whether this forward is decodes only, so that a layer's rope, KV write and attention can be one call."""

@@ -36,6 +36,21 @@ log = logging.getLogger("waferscale.engine")
 DEFAULT_KV_CACHE_BYTES = 512 << 20
 
 
+def kv_cache_dtypes(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """The KV pool's storage dtype and the dtype attention computes in, for --kv-cache-dtype. auto: the model's
+    dtype where the CPU multiplies bf16 natively, else float32 (several times faster there); int8: int8 with scales,
+    read in auto's dtype."""
+    auto = model_dtype if cpu_has_native_bf16() else torch.float32
+    if kv_cache_dtype == "auto":
+        return auto, auto
+    if kv_cache_dtype == "int8":
+        return torch.int8, auto
+    if kv_cache_dtype in ("bfloat16", "float32"):
+        dtype = getattr(torch, kv_cache_dtype)
+        return dtype, dtype
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of auto, bfloat16, float32, int8")
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -50,6 +65,7 @@ class LLMEngine:
         speculative: SpeculativeConfig | None = None,
         draft: LoadedModel | None = None,
         draft_kv_cache_bytes: int | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         self.loaded = loaded
         speculative = speculative or SpeculativeConfig()
@@ -60,17 +76,17 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.eos_ids = [i for i in loaded.tokenizer.eos_token_ids if i < loaded.config.vocab_size]
         cfg = loaded.config
-        # attention runs in float32 where the CPU only emulates bf16/fp16 (several times faster there)
-        kv_dtype = loaded.dtype if cpu_has_native_bf16() else torch.float32
+        kv_dtype, compute_dtype = kv_cache_dtypes(kv_cache_dtype, loaded.dtype)
         layout = KVLayout(tuple(cfg.window(i) for i in range(cfg.num_layers)))
         per_page = KVPool.bytes_per_block(layout.group_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, block_size)
         kinds = layout.block_kinds
         num_pages = max(1 + max(k.pages for k in kinds), kv_cache_bytes // per_page)
         self.block_size = block_size
         # decode attention reads the pool in place through the native kernel where it could be built
-        self.native = kernels.load() if kv_dtype in (torch.float32, torch.bfloat16) else None
+        self.native = kernels.load() if kv_dtype in (torch.float32, torch.bfloat16, torch.int8) else None
         self.pool = KVPool(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, num_pages, block_size, layout.windows
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, num_pages, block_size, layout.windows,
+            compute_dtype,
         )
         self.blocks = BlockManager(num_pages, block_size, enable_prefix_cache, kinds)
         self.scheduler = Scheduler(
@@ -118,6 +134,11 @@ class LLMEngine:
     def waiting(self):
         return self.scheduler.waiting
 
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens whose keys and values the pool holds in every layer (page 0, the padding page, left out)."""
+        return (self.blocks.num_blocks - 1) // sum(k.pages for k in self.blocks.kinds) * self.block_size
+
     def _log_kv(self, kv_dtype: torch.dtype, per_page: int) -> None:
         """The pool's size, each kind's KB a token, and the longest sequence it holds."""
         cfg, bs = self.loaded.config, self.block_size
@@ -129,11 +150,13 @@ class LLMEngine:
         )
         longest = self.scheduler.capacity_tokens()
         log.info(
-            "KV cache: %d MiB, %s; one sequence fits %s tokens (%s, %d KV heads of %d)",
-            self.blocks.num_blocks * per_page >> 20,
+            "KV cache: %d MiB, %d tokens in every layer; %s; one sequence fits %s tokens (%s, %d KV heads of %d)",
+            self.pool.nbytes >> 20,
+            self.kv_cache_tokens,
             kinds,
             "any number of" if longest is None else longest,
-            str(kv_dtype).removeprefix("torch."),
+            str(kv_dtype).removeprefix("torch.")
+            + (" with a float32 scale per token, head and 64 channels" if kv_dtype == torch.int8 else ""),
             cfg.num_kv_heads,
             cfg.head_dim,
         )
@@ -187,6 +210,8 @@ class LLMEngine:
             kv_blocks_used=b.num_used,
             kv_blocks_free=b.num_available,
             kv_blocks_cached=b.evictable_pages,
+            kv_cache_bytes=self.pool.nbytes,
+            kv_cache_tokens=self.kv_cache_tokens,
             prefix_cache_queries=b.queries,
             prefix_cache_hits=b.hits,
             generated_tokens=o.generated_tokens,

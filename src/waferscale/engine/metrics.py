@@ -44,6 +44,8 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     kv_blocks_cached: int = 0
+    kv_cache_bytes: int = 0  # the pool's memory (keys, values and an int8 pool's scales)
+    kv_cache_tokens: int = 0  # tokens whose keys and values the pool holds in every layer
     prefix_cache_queries: int = 0  # counters from here on
     prefix_cache_hits: int = 0
     generated_tokens: int = 0
@@ -56,7 +58,10 @@ class EngineStats:
     itl: HistogramSnapshot | None = None  # between consecutive tokens of a sequence
     expert_load: dict[int, list[int]] = field(default_factory=dict)  # sparse layer -> rows routed to each expert
 
-    GAUGES = ("running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached")
+    GAUGES = (
+        "running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "kv_cache_bytes",
+        "kv_cache_tokens",
+    )  # fmt: skip
     COUNTERS = (
         "prefix_cache_queries",
         "prefix_cache_hits",

@@ -10,6 +10,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 SPECULATIONS = ("ngram", "draft", "none")
 SELF_DRAFTS = ("self:int4", "self:int8")  # --draft-model: the target's own weights again, quantized
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 
 
@@ -26,6 +27,7 @@ class EngineSettings:
     quantization: str = "auto"
     max_model_len: int | None = None
     kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_cache: bool = True
@@ -44,6 +46,10 @@ class EngineSettings:
         if self.quantization not in QUANTIZATIONS:
             raise SettingsError(
                 f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise SettingsError(
+                f"kv-cache-dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
             )
         if self.speculative not in SPECULATIONS:
             raise SettingsError(f"speculative {self.speculative!r} is not one of {', '.join(SPECULATIONS)}")
@@ -84,6 +90,7 @@ def settings_from_args(args) -> EngineSettings:
         quantization=args.quantization,
         max_model_len=args.max_model_len,
         kv_cache_memory=getattr(args, "kv_cache_memory", DEFAULT_KV_CACHE_BYTES),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         max_num_seqs=getattr(args, "max_num_seqs", 64),
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 512),
         enable_prefix_cache=not getattr(args, "no_prefix_cache", False),

@@ -92,15 +92,15 @@ def _build(compiler: str, portable: bool = False) -> Path:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr] + [i64] * 6 + [f32]
+    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int] + [ptr] * 5 + [i64] * 6 + [f32]
     lib.paged_decode_attention.restype = None
-    lib.paged_decode_attention_ex.argtypes = [ptr, ptr, ptr, ctypes.c_int] + [ptr] * 5 + [i64] * 6 + [f32]
+    lib.paged_decode_attention_ex.argtypes = [ptr, ptr, ptr, ctypes.c_int] + [ptr] * 7 + [i64] * 6 + [f32]
     lib.paged_decode_attention_ex.restype = None
     lib.gemm_bf16_packed.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64]
     lib.gemm_bf16_packed.restype = None
     lib.rmsnorm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, f32]
     lib.rmsnorm_bf16.restype = None
-    lib.decode_attention_bf16.argtypes = [ptr] * 5 + [ctypes.c_int] + [ptr] * 4 + [i64] * 6 + [f32]
+    lib.decode_attention_bf16.argtypes = [ptr] * 5 + [ctypes.c_int] + [ptr] * 6 + [i64] * 6 + [f32]
     lib.decode_attention_bf16.restype = None
     lib.gemm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.gemm_f32.restype = None
@@ -117,7 +117,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qdequant.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, ptr]
     lib.qdequant.restype = None
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
-    lib.decode_layer.argtypes += [ctypes.c_int] + [ptr] * 3 + [i64] * 5 + [f32]
+    lib.decode_layer.argtypes += [ctypes.c_int] + [ptr] * 5 + [i64] * 5 + [f32]
     lib.decode_layer.restype = None
     lib.moe_experts_bf16.argtypes = [ptr] * 6 + [i64] * 3 + [ptr]
     lib.moe_experts_bf16.restype = None
@@ -181,6 +181,25 @@ def pack_bf16_pairs(gate_up: torch.Tensor) -> torch.Tensor:
 def _ptr(t: torch.Tensor | None) -> int | None:
     """A tensor's data pointer, or NULL."""
     return None if t is None else t.data_ptr()
+
+
+_KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # cpu_kernels.c's KV_F32, KV_BF16, KV_I8
+
+
+def _kv_format(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> int:
+    """cpu_kernels.c's fmt of a KV cache; an int8 cache needs its float32 scales [slots, kv_heads, scales]."""
+    from waferscale.engine import kv_int8
+
+    fmt = _KV_FORMATS.get(k_cache.dtype)
+    if fmt is None:
+        raise ValueError(f"native attention reads float32, bfloat16 or int8 KV caches, not {k_cache.dtype}")
+    if (fmt == 2) != (k_scale is not None and v_scale is not None):
+        raise ValueError("an int8 KV cache needs its key and value scales, and only an int8 cache takes them")
+    if fmt == 2:
+        want = (*k_cache.shape[:2], kv_int8.num_scales(k_cache.shape[2]))
+        if any(s.dtype != torch.float32 or s.shape != want or not s.is_contiguous() for s in (k_scale, v_scale)):
+            raise ValueError(f"int8 KV scales must be float32 {list(want)}, contiguous (see engine/kv_int8)")
+    return fmt
 
 
 class _QPart(ctypes.Structure):
@@ -279,10 +298,13 @@ class NativeKernels:
         block_size: int,
         starts: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: float32 [B, H, D]; caches: [slots, KVH, D] float32 or bfloat16; tables: int64 [B, W]; lengths: int64
-        [B]; starts: int64 [B], the first position each row sees (a sliding window; None: 0); sinks: float32 [H],
-        a logit per head joining the softmax's denominator (None: none). Returns float32 [B, H, D]."""
+        """q: float32 [B, H, D]; caches: [slots, KVH, D] float32, bfloat16, or int8 with float32 scales k_scale,
+        v_scale [slots, KVH, scales] (one per 64 channels: engine/kv_int8); tables: int64 [B, W]; lengths: int64
+        [B]; starts: int64 [B], the first position each row sees (a sliding window; None: 0); sinks: float32 [H], a
+        logit per head joining the softmax's denominator (None: none). Returns float32 [B, H, D]."""
         b, h, d = q.shape
         kvh = k_cache.shape[1]
         out = torch.empty_like(q)
@@ -290,7 +312,9 @@ class NativeKernels:
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            int(k_cache.dtype == torch.bfloat16),
+            _kv_format(k_cache, k_scale, v_scale),
+            _ptr(k_scale),
+            _ptr(v_scale),
             tables.data_ptr(),
             _ptr(starts),
             lengths.data_ptr(),
@@ -403,9 +427,12 @@ class NativeKernels:
         num_heads: int,
         scale: float,
         block_size: int,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A layer's whole decode attention: rope, KV write, attention. qkv: bf16 [B, (H + 2 KVH) D]; cos, sin: bf16
-        [B, D]; caches [slots, KVH, D] float32 or bf16; slots: int64 [B]. Returns bf16 [B, H D]."""
+        [B, D]; caches [slots, KVH, D] float32, bf16, or int8 with scales (as paged_decode_attention; the new keys
+        and values quantized as kv_int8.quantize does); slots: int64 [B]. Returns bf16 [B, H D]."""
         b = qkv.shape[0]
         kvh, d = k_cache.shape[1], k_cache.shape[2]
         out = torch.empty(b, num_heads * d, dtype=torch.bfloat16)
@@ -415,7 +442,9 @@ class NativeKernels:
             sin.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            int(k_cache.dtype == torch.bfloat16),
+            _kv_format(k_cache, k_scale, v_scale),
+            _ptr(k_scale),
+            _ptr(v_scale),
             slots.data_ptr(),
             tables.data_ptr(),
             lengths.data_ptr(),
@@ -444,6 +473,8 @@ class NativeKernels:
         num_heads: int,
         scale: float,
         block_size: int,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """A whole decoder layer for decode rows, in place on h (bf16 [B, E], contiguous): the kernels its modules
         would call one by one (norm, qkv, decode_attention_bf16, o_proj + residual, norm, gate/up + SiLU, down +
@@ -469,7 +500,9 @@ class NativeKernels:
             sin.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            int(k_cache.dtype == torch.bfloat16),
+            _kv_format(k_cache, k_scale, v_scale),
+            _ptr(k_scale),
+            _ptr(v_scale),
             slots.data_ptr(),
             tables.data_ptr(),
             lengths.data_ptr(),

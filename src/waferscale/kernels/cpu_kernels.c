@@ -48,15 +48,61 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* Row t of a sequence in one layer's keys or values ([slots, kv_heads, head_dim], float32 or bfloat16): a pointer
+/* KV cache formats (the `fmt` argument): float32, bfloat16, or int8 with float32 scales per slot, kv head and
+ * KV_GROUP channels (scales [slots, kv_heads, D / kv_group(D)]; engine/kv_int8.py) */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+#define KV_GROUP 64
+
+/* Channels per int8 scale: KV_GROUP where D is a multiple of it, else the whole head (kv_int8.group_size). */
+static inline int64_t kv_group(int64_t D) { return D % KV_GROUP == 0 ? KV_GROUP : D; }
+
+/* The pool slot of position t of a sequence whose block table is `table`. */
+static inline int64_t slot_of(const int64_t *table, int64_t t, int64_t block_size) {
+    return table[t / block_size] * block_size + t % block_size;
+}
+
+/* Row t of a sequence in one layer's float32 or bfloat16 keys or values ([slots, kv_heads, head_dim]): a pointer
  * into the pool, or, for bfloat16, the row widened into buf. */
-static inline const float *cache_row(const void *cache, int is_bf16, const int64_t *table, int64_t t,
-                                     int64_t block_size, int64_t row_len, float *buf) {
-    const int64_t at = (table[t / block_size] * block_size + t % block_size) * row_len;
+static inline const float *cache_row(const void *cache, int is_bf16, int64_t slot, int64_t row_len, float *buf) {
+    const int64_t at = slot * row_len;
     if (!is_bf16) return (const float *)cache + at;
     const uint16_t *src = (const uint16_t *)cache + at;
     for (int64_t i = 0; i < row_len; i++) buf[i] = bf16_to_f32(src[i]);
     return buf;
+}
+
+/* q[0..D) = round-to-nearest-even(x / s) in int8 and *scale = s, with s = max |x| / 127 (1 as the divisor of an
+ * all-zero x), for one group of D channels: engine/kv_int8.quantize's IEEE operations exactly (no -ffast-math here:
+ * a reciprocal in place of the division would round some values to the other integer), so both paths store the
+ * same bytes. */
+__attribute__((noinline, optimize("no-fast-math"))) static void kv_quantize(const float *x, int64_t D, int8_t *q,
+                                                                            float *scale) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; d++) {
+        const float a = fabsf(x[d]);
+        amax = a > amax ? a : amax;
+    }
+    const float s = amax / 127.f, div = s > 0.f ? s : 1.f;
+    for (int64_t d = 0; d < D; d++) {
+        float r = rintf(x[d] / div);
+        r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+        q[d] = (int8_t)r;
+    }
+    *scale = s;
+}
+
+/* Store D float32 values as head h of a slot (row_len = KVH * D values a slot) in a cache of any format. */
+static inline void store_head(void *cache, float *scales, int fmt, int64_t slot, int64_t KVH, int64_t h, int64_t D,
+                              const float *x) {
+    const int64_t at = (slot * KVH + h) * D;
+    if (fmt == KV_I8) {
+        const int64_t g = kv_group(D), ng = D / g;
+        for (int64_t j = 0; j < ng; j++)
+            kv_quantize(x + j * g, g, (int8_t *)cache + at + j * g, scales + (slot * KVH + h) * ng + j);
+    } else if (fmt == KV_BF16)
+        for (int64_t d = 0; d < D; d++) ((uint16_t *)cache)[at + d] = f32_to_bf16(x[d]);
+    else
+        memcpy((float *)cache + at, x, (size_t)D * sizeof(float));
 }
 
 /* out[b, h, :] = softmax(q[b, h] . K[b]^T * scale) V[b] over the first lengths[b] positions of sequence b, whose
@@ -64,12 +110,16 @@ static inline const float *cache_row(const void *cache, int is_bf16, const int64
  * q, out: float32 [B, H, D]; tables: int64 [B, W]; lengths: int64 [B]; H is a multiple of KVH.
  * One sequence per task: each slot's keys (all kv heads, contiguous) are read once, by one thread. */
 /* As paged_decode_attention, over positions starts[b] .. lengths[b] - 1 of each sequence (starts NULL: from 0;
- * a sliding window), with sinks[h] (NULL: none) joining each head's softmax denominator as one more logit. */
-void paged_decode_attention_ex(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                               const int64_t *tables, const int64_t *starts, const int64_t *lengths,
-                               const float *sinks, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                               int64_t W, int64_t block_size, float scale) {
-    const int64_t G = H / KVH, row_len = KVH * D;
+ * a sliding window), with sinks[h] (NULL: none) joining each head's softmax denominator as one more logit. An int8
+ * cache (fmt KV_I8) is read as it is stored: q . k_int8 over each group of channels times that group's scale, and
+ * each value's probability times its group's scale, so nothing is widened to a float copy first. */
+void paged_decode_attention_ex(const float *q, const void *k_cache, const void *v_cache, int fmt,
+                               const float *k_scale, const float *v_scale, const int64_t *tables,
+                               const int64_t *starts, const int64_t *lengths, const float *sinks, float *out,
+                               int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t W, int64_t block_size,
+                               float scale) {
+    const int64_t G = H / KVH, row_len = KVH * D, qg = kv_group(D), ng = D / qg;
+    const int is_bf16 = fmt == KV_BF16;
 #pragma omp parallel
     {
         int64_t cap = 0;
@@ -88,7 +138,25 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
             const int64_t *table = tables + b * W;
             /* scores[h, t] = q_h . k_t * scale, with k_t the row of h's kv head */
             for (int64_t t = 0; t < len; t++) {
-                const float *k = cache_row(k_cache, is_bf16, table, first + t, block_size, row_len, row);
+                const int64_t slot = slot_of(table, first + t, block_size);
+                if (fmt == KV_I8) {
+                    const int8_t *k = (const int8_t *)k_cache + slot * row_len;
+                    const float *ks = k_scale + slot * KVH * ng;
+                    for (int64_t h = 0; h < H; h++) {
+                        const float *qh = qb + h * D, *kss = ks + (h / G) * ng;
+                        const int8_t *kh = k + (h / G) * D;
+                        float s = 0.f;
+                        for (int64_t j = 0; j < ng; j++) {
+                            float sj = 0.f;
+#pragma omp simd reduction(+ : sj)
+                            for (int64_t d = j * qg; d < (j + 1) * qg; d++) sj += qh[d] * (float)kh[d];
+                            s += sj * kss[j];
+                        }
+                        scores[h * len + t] = s * scale;
+                    }
+                    continue;
+                }
+                const float *k = cache_row(k_cache, is_bf16, slot, row_len, row);
                 for (int64_t h = 0; h < H; h++) {
                     const float *qh = qb + h * D, *kh = k + (h / G) * D;
                     float s = 0.f;
@@ -116,7 +184,22 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
             /* out_h = sum_t p[h, t] v_t */
             memset(acc, 0, (size_t)(H * D) * sizeof(float));
             for (int64_t t = 0; t < len; t++) {
-                const float *v = cache_row(v_cache, is_bf16, table, first + t, block_size, row_len, row);
+                const int64_t slot = slot_of(table, first + t, block_size);
+                if (fmt == KV_I8) {
+                    const int8_t *v = (const int8_t *)v_cache + slot * row_len;
+                    const float *vs = v_scale + slot * KVH * ng;
+                    for (int64_t h = 0; h < H; h++) {
+                        const int8_t *vh = v + (h / G) * D;
+                        float *ah = acc + h * D;
+                        for (int64_t j = 0; j < ng; j++) {
+                            const float p = scores[h * len + t] * vs[(h / G) * ng + j];
+#pragma omp simd
+                            for (int64_t d = j * qg; d < (j + 1) * qg; d++) ah[d] += p * (float)vh[d];
+                        }
+                    }
+                    continue;
+                }
+                const float *v = cache_row(v_cache, is_bf16, slot, row_len, row);
                 for (int64_t h = 0; h < H; h++) {
                     const float p = scores[h * len + t], *vh = v + (h / G) * D;
                     float *ah = acc + h * D;
@@ -132,11 +215,12 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
     }
 }
 
-void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                            const int64_t *tables, const int64_t *lengths, float *out, int64_t B, int64_t H,
-                            int64_t KVH, int64_t D, int64_t W, int64_t block_size, float scale) {
-    paged_decode_attention_ex(q, k_cache, v_cache, is_bf16, tables, NULL, lengths, NULL, out, B, H, KVH, D, W,
-                              block_size, scale);
+void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int fmt,
+                            const float *k_scale, const float *v_scale, const int64_t *tables,
+                            const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                            int64_t W, int64_t block_size, float scale) {
+    paged_decode_attention_ex(q, k_cache, v_cache, fmt, k_scale, v_scale, tables, NULL, lengths, NULL, out, B, H,
+                              KVH, D, W, block_size, scale);
 }
 
 /* Linear layers with bfloat16 weights, y = x W^T (+ b), for any number of rows M.
@@ -434,9 +518,9 @@ void rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, 
  * qkv: bfloat16 [B, (H + 2 KVH) D]; cos, sin: bfloat16 [B, D] (each row's position); slots: int64 [B];
  * out: bfloat16 [B, H D]. */
 void decode_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, void *k_cache,
-                           void *v_cache, int is_bf16, const int64_t *slots, const int64_t *tables,
-                           const int64_t *lengths, uint16_t *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                           int64_t W, int64_t block_size, float scale) {
+                           void *v_cache, int fmt, float *k_scale, float *v_scale, const int64_t *slots,
+                           const int64_t *tables, const int64_t *lengths, uint16_t *out, int64_t B, int64_t H,
+                           int64_t KVH, int64_t D, int64_t W, int64_t block_size, float scale) {
     const int64_t width = (H + 2 * KVH) * D, half = D / 2, row_len = KVH * D;
     float *q = (float *)malloc((size_t)(B * H * D) * sizeof(float));
     float *o = (float *)malloc((size_t)(B * H * D) * sizeof(float));
@@ -454,25 +538,24 @@ void decode_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
                 const float r = bf16_to_f32(f32_to_bf16(rot * bf16_to_f32(sb[d])));
                 roped[d] = bf16_to_f32(f32_to_bf16(a + r));
             }
-            if (h < H) {
+            if (h < H)
                 memcpy(q + (b * H + h) * D, roped, (size_t)D * sizeof(float));
-            } else {
-                const int64_t at = slots[b] * row_len + (h - H) * D;
-                if (is_bf16)
-                    for (int64_t d = 0; d < D; d++) ((uint16_t *)k_cache)[at + d] = f32_to_bf16(roped[d]);
-                else
-                    memcpy((float *)k_cache + at, roped, (size_t)D * sizeof(float));
-            }
+            else
+                store_head(k_cache, k_scale, fmt, slots[b], KVH, h - H, D, roped);
         }
         const uint16_t *v = src + (H + KVH) * D;
-        for (int64_t j = 0; j < row_len; j++) {
-            if (is_bf16)
-                ((uint16_t *)v_cache)[slots[b] * row_len + j] = v[j];
-            else
-                ((float *)v_cache)[slots[b] * row_len + j] = bf16_to_f32(v[j]);
+        if (fmt == KV_BF16) {
+            memcpy((uint16_t *)v_cache + slots[b] * row_len, v, (size_t)row_len * sizeof(uint16_t));
+        } else {
+            float vf[512];
+            for (int64_t h = 0; h < KVH; h++) {
+                for (int64_t d = 0; d < D; d++) vf[d] = bf16_to_f32(v[h * D + d]);
+                store_head(v_cache, v_scale, fmt, slots[b], KVH, h, D, vf);
+            }
         }
     }
-    paged_decode_attention(q, k_cache, v_cache, is_bf16, tables, lengths, o, B, H, KVH, D, W, block_size, scale);
+    paged_decode_attention(q, k_cache, v_cache, fmt, k_scale, v_scale, tables, lengths, o, B, H, KVH, D, W,
+                           block_size, scale);
     for (int64_t i = 0; i < B * H * D; i++) out[i] = f32_to_bf16(o[i]);
     free(q);
     free(o);
@@ -521,8 +604,8 @@ static void proj_run(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, i
  * attention arguments as decode_attention_bf16. */
 void decode_layer(uint16_t *h, int64_t M, int64_t E, const uint16_t *norm1, const proj_t *qkv_w, const float *qkv_bias,
                   const proj_t *o_w, const uint16_t *norm2, const proj_t *gate_up_w, int64_t I, const proj_t *down_w,
-                  float eps, const uint16_t *cos, const uint16_t *sin, void *k_cache, void *v_cache, int is_bf16,
-                  const int64_t *slots, const int64_t *tables, const int64_t *lengths, int64_t H, int64_t KVH,
+                  float eps, const uint16_t *cos, const uint16_t *sin, void *k_cache, void *v_cache, int fmt,
+                  float *k_scale, float *v_scale, const int64_t *slots, const int64_t *tables, const int64_t *lengths, int64_t H, int64_t KVH,
                   int64_t D, int64_t W, int64_t block_size, float scale) {
     const int64_t QKV = (H + 2 * KVH) * D;
     uint16_t *x = (uint16_t *)malloc((size_t)(M * E) * sizeof(uint16_t));
@@ -531,8 +614,8 @@ void decode_layer(uint16_t *h, int64_t M, int64_t E, const uint16_t *norm1, cons
     uint16_t *act = (uint16_t *)malloc((size_t)(M * I) * sizeof(uint16_t));
     rmsnorm_bf16(h, norm1, x, M, E, eps);
     proj_run(qkv_w, x, M, E, QKV, qkv_bias, NULL, qkv, 1);
-    decode_attention_bf16(qkv, cos, sin, k_cache, v_cache, is_bf16, slots, tables, lengths, att, M, H, KVH, D, W,
-                          block_size, scale);
+    decode_attention_bf16(qkv, cos, sin, k_cache, v_cache, fmt, k_scale, v_scale, slots, tables, lengths, att, M,
+                          H, KVH, D, W, block_size, scale);
     proj_run(o_w, att, M, H * D, E, NULL, h, h, 1);  /* each output reads its residual, then writes it */
     rmsnorm_bf16(h, norm2, x, M, E, eps);
     if (gate_up_w->packed) {

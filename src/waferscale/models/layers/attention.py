@@ -84,37 +84,33 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's keys and values to their slots, then attend each row over its context (and window)."""
     pool = plan.pool
-    group, kc, vc = plan.layer(layer)
-    kc.index_copy_(0, group.slots, k.to(kc.dtype))
-    vc.index_copy_(0, group.slots, v.to(vc.dtype))
-    # whole blocks are gathered with index_select (contiguous rows): an order of magnitude faster than advanced
-    # indexing, which copies element by element
-    kb = kc.view(-1, pool.block_size * kc.shape[1] * kc.shape[2])
-    vb = vc.view(-1, pool.block_size * vc.shape[1] * vc.shape[2])
-    heads, dim = kc.shape[1], kc.shape[2]
+    group, cache = plan.layer(layer)
+    cache.write(group.slots, k, v)  # an int8 pool quantizes here, and every read below sees the stored values
+    heads, dim = cache.k.shape[1], cache.k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     out_dtype = q.dtype
-    q = q.to(kc.dtype)  # attention runs in the pool's dtype
+    q = q.to(cache.compute_dtype)  # attention runs in the pool's dtype (an int8 pool's compute dtype)
     out = torch.empty_like(q)
     b = plan.num_decode
     if b and plan.native is not None:
         o = plan.native.paged_decode_attention(
             q[:b].float().contiguous(),
-            kc,
-            vc,
+            cache.k,
+            cache.v,
             group.decode_tables,
             group.decode_lengths,
             scale,
             pool.block_size,
             starts=_window_starts(group, window),
             sinks=None if sinks is None else sinks.float().contiguous(),
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
         )
         out[:b] = o.to(out.dtype)
     elif b:
-        tables = group.decode_tables
+        keys, values = cache.gather(group.decode_tables.flatten(), pool.block_size)
         shape = (b, -1, heads, dim)
-        keys = kb.index_select(0, tables.flatten()).view(shape).transpose(1, 2)  # [B, kv_heads, L, head_dim]
-        values = vb.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
+        keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)  # [B, kv_heads, L, D]
         if window is None and sinks is None and group.decode_mask is not None:
             mask = group.decode_mask
         else:
@@ -127,14 +123,15 @@ def paged_attention(
         out[:b] = o.squeeze(2)
     for n, (start_row, end_row, table, start_pos, length, *rest) in enumerate(group.prefills):
         first = rest[0] if rest else 0  # the position of the table's first page
-        keys = kb.index_select(0, table).view(-1, heads, dim)[: length - first].transpose(0, 1).unsqueeze(0)
-        values = vb.index_select(0, table).view(-1, heads, dim)[: length - first].transpose(0, 1).unsqueeze(0)
+        keys, values = cache.gather(table, pool.block_size)
+        keys = keys[: length - first].transpose(0, 1).unsqueeze(0)
+        values = values[: length - first].transpose(0, 1).unsqueeze(0)
         rows = end_row - start_row
-        mask = _prefill_mask(group, n, start_pos, rows, length, first, window, kc.dtype)
+        mask = _prefill_mask(group, n, start_pos, rows, length, first, window, cache.compute_dtype)
         qp = q[start_row:end_row].transpose(0, 1).unsqueeze(0)
         if sinks is not None:
             if mask is None:
-                mask = _prefill_mask(group, n, start_pos, rows, length, first, 1 << 62, kc.dtype)
+                mask = _prefill_mask(group, n, start_pos, rows, length, first, 1 << 62, cache.compute_dtype)
             o = _attend_with_sinks(qp, keys, values, mask, scale, sinks, gqa)
         else:
             o = F.scaled_dot_product_attention(
@@ -144,36 +141,29 @@ def paged_attention(
     return out.to(out_dtype)
 
 
-def _decode_args(plan, layer: int, rope: tuple[torch.Tensor, torch.Tensor], rows: int) -> tuple:
-    """What the native decode calls take after their own input: rope rows, the layer's caches, slots and tables."""
+def _decode_args(plan, layer: int, rope: tuple[torch.Tensor, torch.Tensor], rows: int) -> tuple[tuple, dict]:
+    """What the native decode calls take after their own input: rope rows, the layer's caches, slots and tables;
+    and an int8 pool's scales as keywords."""
     cos, sin = rope
-    group, kc, vc = plan.layer(layer)
-    return (cos.reshape(rows, -1), sin.reshape(rows, -1), kc, vc, group.slots, group.decode_tables, group.decode_lengths)
+    group, cache = plan.layer(layer)
+    args = (cos.reshape(rows, -1), sin.reshape(rows, -1), cache.k, cache.v, group.slots, group.decode_tables)
+    return (*args, group.decode_lengths), {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
 
 
 def fused_decode_attention(plan, layer: int, qkv: torch.Tensor, rope, num_heads: int, scale: float) -> torch.Tensor:
     """Decode rows only (plan.can_fuse_decode): rope, KV write and attention in one native call; qkv bf16
     [B, (H + 2 KVH) D] in, attention output bf16 [B, H D]."""
+    args, scales = _decode_args(plan, layer, rope, qkv.shape[0])
     return plan.native.decode_attention_bf16(
-        qkv.contiguous(),
-        *_decode_args(plan, layer, rope, qkv.shape[0]),
-        num_heads,
-        scale,
-        plan.pool.block_size,
+        qkv.contiguous(), *args, num_heads, scale, plan.pool.block_size, **scales
     )
 
 
 def fused_decode_layer(plan, layer: int, h: torch.Tensor, rope, weights, num_heads: int, scale: float) -> None:
     """A whole Llama-style decoder layer for decode rows only, in place on h (bf16 [B, E]); weights:
     waferscale.kernels.DecodeLayerWeights."""
-    plan.native.decode_layer_bf16(
-        h,
-        weights,
-        *_decode_args(plan, layer, rope, h.shape[0]),
-        num_heads,
-        scale,
-        plan.pool.block_size,
-    )
+    args, scales = _decode_args(plan, layer, rope, h.shape[0])
+    plan.native.decode_layer_bf16(h, weights, *args, num_heads, scale, plan.pool.block_size, **scales)
 
 
 class Attention(nn.Module):
