@@ -81,9 +81,7 @@ class BlockManager:
         self.key_of: list[Key | None] = [None] * num_blocks
         self.tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
         self.by_key: list[dict[Key, int]] = [{} for _ in kinds]
-        # a stack, lowest pages on top: pages just given back are taken again first, so the pages a pool has ever
-        # written (the memory it holds: kv_cache maps pages on first write) stay as few as its busiest moment needed
-        self.free: deque[int] = deque(range(num_blocks - 1, 0, -1))
+        self.free: deque[int] = deque(range(1, num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, oldest first
         self.evictable_pages = 0
         self.hits = self.queries = 0  # prefix-cache blocks found / looked for, once per admission
@@ -180,7 +178,7 @@ class BlockManager:
         need = self.kinds[kind].pages
         while len(self.free) < need:
             self._evict_oldest()
-        pages = tuple(self.free.pop() for _ in range(need))
+        pages = tuple(self.free.popleft() for _ in range(need))
         block = pages[0]
         self.pages_of[block], self.kind_of[block], self.ref[block] = pages, kind, 1
         w = self.map_width
