@@ -120,3 +120,36 @@ def test_chunked_packing_gives_the_same_panels(monkeypatch):
         assert torch.equal(linear.pack_bf16_chunked(w), pack_bf16(w))
     w = torch.randn(2 * 16 * 9, K).to(torch.bfloat16)
     assert torch.equal(linear.pack_bf16_chunked(w, pairs=True), pack_bf16_pairs(w))
+
+
+def test_quantizing_rows_a_chunk_at_a_time_gives_the_same_blocks(monkeypatch):
+    from waferscale.models.quant import layouts
+
+    w = torch.randn(100, K)
+    whole = {m: layouts._quantize_rows(w, m, 32) for m in ("int8", "int4")}
+    monkeypatch.setattr(layouts, "_QUANTIZE_ROWS_WEIGHTS", 7 * K)  # 7 rows a chunk
+    for method, want in whole.items():
+        got = quantize(w, method)
+        for key in ("qweight", "scales", "mins", "sup", "supm"):
+            a, b = getattr(got, key), getattr(want, key)
+            assert (a is None and b is None) or torch.equal(a, b), (method, key)
+
+
+def test_fused_projections_parts_are_read_into_one_buffer(tmp_path):
+    """A checkpoint's q/k/v and gate/up (an expert's too) are read as consecutive rows of one tensor, which the
+    projection then takes as a view."""
+    from waferscale.models.loader import _fused_destinations
+    from waferscale.models.safetensors_stream import read_header
+
+    prefix = "model.layers.0.mlp.experts.3"
+    tensors = {f"{prefix}.gate_proj.weight": torch.randn(N, K).to(torch.bfloat16),
+               f"{prefix}.up_proj.weight": torch.randn(N, K).to(torch.bfloat16),
+               f"{prefix}.down_proj.weight": torch.randn(K, N).to(torch.bfloat16)}
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    got = dict(read_tensors(path, into=_fused_destinations(read_header(path)[0])))
+    proj = Linear(K, 2 * N)
+    proj.load([got[f"{prefix}.gate_proj.weight"], got[f"{prefix}.up_proj.weight"]], None, "gate_up_proj")
+    assert proj.weight.untyped_storage().data_ptr() == got[f"{prefix}.gate_proj.weight"].untyped_storage().data_ptr()
+    want = torch.cat([tensors[f"{prefix}.gate_proj.weight"], tensors[f"{prefix}.up_proj.weight"]])
+    assert torch.equal(proj.weight, want)

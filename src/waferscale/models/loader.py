@@ -29,6 +29,7 @@ from waferscale.models.quant import (
     quantize,
 )
 from waferscale.models.registry import family_for_hf
+from waferscale.models.safetensors_stream import DTYPES as STREAM_DTYPES
 from waferscale.models.safetensors_stream import SafetensorsWriter, read_header, read_tensors
 from waferscale.models.source import ModelLoadError, cache_root, derive_name, model_source
 from waferscale.models.tokenizer import ModelTokenizer
@@ -123,8 +124,9 @@ def _load_folder(
     for shard in tqdm(shards, desc=f"loading {name}", unit="shard", disable=not progress, file=sys.stderr):
         # read, not mapped: a mapped file's pages stay in RSS as long as any tensor of it lives, so a weight
         # copied at load (fused, packed) was resident twice (safetensors_stream.py)
-        keep = [k for k in read_header(shard)[0] if text_model_name(k) is not None]
-        for key, value in read_tensors(shard, keep):
+        header = read_header(shard)[0]
+        keep = [k for k in header if text_model_name(k) is not None]
+        for key, value in read_tensors(shard, keep, into=_fused_destinations(header)):
             tensors[text_model_name(key)] = value
     model = family_for_hf(cfg.architecture).model_class()(cfg, context, dtype)
     state = gather_quantized(tensors)
@@ -156,6 +158,31 @@ def _load_folder(
     ident = [__version__, cfg.to_dict(), str(dtype), context] + ([quant_label, sorted(kinds)] if quantized else [])
     fingerprint = "fp_" + hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return LoadedModel(model, tokenizer, cfg, name, str(src), dtype, context, fingerprint, quant_label)
+
+
+def _fused_destinations(header: dict) -> dict[str, torch.Tensor]:
+    """For the tensors a fused projection is made of (q/k/v, gate/up: base.FUSED, an expert's included, and each
+    of a quantized weight's parts), consecutive rows of one buffer to read them into, so that the projection takes
+    them as a view (layouts.adjacent_rows) instead of a copy beside them: per-expert checkpoints' gate and up were
+    copied expert by expert, and the freed halves left in the heap. The buffers take memory only as read."""
+    from waferscale.models.base import FUSED
+
+    out: dict[str, torch.Tensor] = {}
+    for parts in FUSED.values():
+        first = f".{parts[0]}."
+        for name, info in header.items():
+            if first not in name:
+                continue
+            names = [name.replace(first, f".{p}.", 1) for p in parts]
+            infos = [header.get(n) for n in names]
+            if any(i is None or i["dtype"] != info["dtype"] or len(i["shape"]) != len(info["shape"])
+                   or i["shape"][1:] != info["shape"][1:] or not i["shape"] for i in infos):
+                continue
+            rows = [i["shape"][0] for i in infos]
+            buf = torch.empty([sum(rows), *info["shape"][1:]], dtype=STREAM_DTYPES[info["dtype"]])
+            for n, part in zip(names, buf.split(rows)):
+                out[n] = part
+    return out
 
 
 _QUANTIZE_SUFFIXES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")

@@ -45,9 +45,11 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def read_tensors(path: str | os.PathLike, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor (of `names`, or all, in file order) read into memory of its own: the caller holds the only
-    reference, and nothing of the file stays mapped."""
+def read_tensors(
+    path: str | os.PathLike, names: list[str] | None = None, into: dict[str, torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor (of `names`, or all, in file order) read into memory of its own, or into the tensor `into`
+    gives for its name (of its shape and dtype): nothing of the file stays mapped."""
     header, start = read_header(path)
     wanted = sorted(header if names is None else names, key=lambda k: header[k]["data_offsets"][0])
     with open(path, "rb", buffering=0) as f:
@@ -56,7 +58,11 @@ def read_tensors(path: str | os.PathLike, names: list[str] | None = None) -> Ite
             if info["dtype"] not in DTYPES:
                 raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
             begin, end = info["data_offsets"]
-            t = torch.empty(info["shape"], dtype=DTYPES[info["dtype"]])
+            t = (into or {}).get(name)
+            if t is None:
+                t = torch.empty(info["shape"], dtype=DTYPES[info["dtype"]])
+            elif list(t.shape) != info["shape"] or t.dtype != DTYPES[info["dtype"]] or not t.is_contiguous():
+                raise ValueError(f"{path}: tensor {name!r} does not fit the destination given for it")
             if t.numel() * t.element_size() != end - begin:
                 raise ValueError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {info['shape']}")
             buf, done = _raw(t), 0

@@ -229,12 +229,24 @@ def weight_from_values(
     )
 
 
+_QUANTIZE_ROWS_WEIGHTS = 1 << 22  # quantize() works on rows of about so many weights at a time
+
+
 def quantize(weight: torch.Tensor, method: str, group: int = GROUP) -> QuantWeight:
     """--quantization int8 (symmetric: scale = max|w| / 127) or int4 (scale and min from each group's range; where
-    K is a multiple of 256, in Q4_K's two-level form, see _int4_two_level)."""
+    K is a multiple of 256, in Q4_K's two-level form, see _int4_two_level). Rows are quantized independently, a
+    few MiB of them at a time: whole, a large weight (an embedding table) took several float32 copies of itself."""
     n, k = weight.shape
     if k % group or k % 32:
         raise ValueError(f"in_features {k} is not a multiple of the group size {group} (and of 32)")
+    rows = max(1, _QUANTIZE_ROWS_WEIGHTS // k)
+    if n > rows:
+        return cat_rows([_quantize_rows(weight[r : r + rows], method, group) for r in range(0, n, rows)])
+    return _quantize_rows(weight, method, group)
+
+
+def _quantize_rows(weight: torch.Tensor, method: str, group: int) -> QuantWeight:
+    n, k = weight.shape
     w = weight.detach().float().view(n, -1, group)
     if method == "int8":
         scale = w.abs().amax(-1) / 127
