@@ -81,13 +81,30 @@ def test_quantized_gate_up_stacks_load_as_views_of_one_stack():
         assert torch.equal(ps[0].dequantize(), want)
 
 
-def test_float_gate_up_stacks_load_as_views_of_one_stack():
-    gate, up = torch.randn(E, N, K), torch.randn(E, N, K)
-    stack = stack_gate_up(gate, up, E)
-    projs = _load_experts({f"model.layers.0.mlp.experts.{GATE_UP_ROWS}": stack})
-    assert {p.weight.untyped_storage().data_ptr() for p in projs} == {stack.untyped_storage().data_ptr()}
-    for j, p in enumerate(projs):
-        assert torch.equal(p.weight, torch.cat([gate[j], up[j]]))
+def test_a_conversion_writes_quantized_gate_up_as_one_stack_and_float_experts_one_by_one():
+    """Quantized stacks are served in place (one stack, views); float ones are packed and freed an expert at a time,
+    which a stack kept whole until its layer's last expert was done."""
+    from waferscale.models.loader import _write_converted
+
+    class Collect:
+        def __init__(self):
+            self.shapes = {}
+
+        def add(self, name, t):
+            self.shapes[name] = tuple(t.shape)
+
+    q = [quantize(torch.randn(E * N, K), "int4") for _ in range(2)]
+    f = [torch.randn(E, N, K) for _ in range(3)]
+    names = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+    tensors = [(f"model.layers.0.mlp.experts.{n}", t) for n, t in zip(names, q)]
+    tensors += [(f"model.layers.1.mlp.experts.{n}", t) for n, t in zip(names, f)]
+    out = Collect()
+    _write_converted(out, iter(tensors), E)
+    assert out.shapes[f"model.layers.0.mlp.experts.{GATE_UP_ROWS}.qweight"] == (E * 2 * N, K // 2)
+    assert not any(n.startswith("model.layers.0.mlp.experts.gate_proj") for n in out.shapes)
+    assert {n for n in out.shapes if n.startswith("model.layers.1.")} == {
+        f"model.layers.1.mlp.experts.{j}.{n}" for j in range(E) for n in names}
+    assert out.shapes["model.layers.1.mlp.experts.3.up_proj.weight"] == (N, K)
 
 
 def test_gate_and_up_in_different_layouts_are_not_stacked():

@@ -35,8 +35,9 @@ from waferscale.models.source import ModelLoadError, cache_root, derive_name, mo
 from waferscale.models.tokenizer import ModelTokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_CONVERSION_FORMAT = 7  # bump when the cached layout changes (3: quantized blocks, models/quant/; 4: scales as
-# GGUF stores them; 5: int4 in two levels where K allows; 7: GGUF's gate and up expert stacks as one)
+_CONVERSION_FORMAT = 8  # bump when the cached layout changes (3: quantized blocks, models/quant/; 4: scales as
+# GGUF stores them; 5: int4 in two levels where K allows; 7: GGUF's quantized gate and up expert stacks as one;
+# 8: its float expert stacks per expert)
 
 
 @dataclass
@@ -324,17 +325,25 @@ def _converted_gguf(src: Path, dtype: str, progress: bool, quantization: str = "
 
 
 def _write_converted(out: SafetensorsWriter, tensors, num_experts: int) -> None:
-    """Write each converted tensor as it comes; GGUF's separate gate and up expert stacks of a layer are written as
+    """Write each converted tensor as it comes. GGUF's expert stacks: quantized gate and up stacks of a layer as
     one `experts.gate_up_rows` stack, so that each expert's fused gate/up is a view of it at load (no copy, and
-    no second stack beside the first while a layer loads)."""
+    no second stack beside the first while a layer loads); float stacks as per-expert tensors, which packing
+    replaces and frees an expert at a time (a stack stayed whole until its layer's last expert was packed: one
+    layer's experts above the loaded size)."""
 
     def write(name: str, t) -> None:
         for key, value in (t.to_tensors(name) if isinstance(t, QuantWeight) else {name: t}).items():
             out.add(key, value)
 
     halves = (".mlp.experts.gate_proj.weight", ".mlp.experts.up_proj.weight")
+    stacks = (*halves, ".mlp.experts.down_proj.weight")
     waiting: dict[str, object] = {}  # a layer's gate or up stack until its other half comes
     for name, t in tensors:
+        if num_experts and name.endswith(stacks) and isinstance(t, torch.Tensor) and t.dim() == 3:
+            owner, _, tail = name.rpartition(".mlp.experts.")
+            for j in range(t.shape[0]):
+                out.add(f"{owner}.mlp.experts.{j}.{tail}", t[j])
+            continue
         if not num_experts or not name.endswith(halves):
             write(name, t)
             continue

@@ -202,15 +202,13 @@ GATE_UP_ROWS = "gate_up_rows"  # stacked experts' gate and up, each expert's gat
 
 
 def stack_gate_up(gate, up, num_experts: int):
-    """One stack of every expert's gate rows then up rows (E * 2N rows, float [E, 2N, K] or a QuantWeight), from
-    GGUF's separate gate and up stacks; None where they cannot share one tensor (quantized in different layouts).
-    Written as `experts.gate_up_rows`, each expert's fused gate/up is then a view of it at load, not a copy."""
+    """One QuantWeight of every expert's gate rows then up rows (E * 2N rows), from GGUF's separate gate and up
+    stacks; None where they cannot share one (not quantized, or in different layouts). Written as
+    `experts.gate_up_rows`, each expert's fused gate/up is then a view of it at load, not a copy."""
     from waferscale.models.quant import QuantWeight
 
-    if isinstance(gate, QuantWeight) != isinstance(up, QuantWeight) or gate.shape != up.shape:
+    if not (isinstance(gate, QuantWeight) and isinstance(up, QuantWeight)) or gate.shape != up.shape:
         return None
-    if not isinstance(gate, QuantWeight):
-        return torch.stack([gate, up], dim=1).flatten(1, 2) if gate.dtype == up.dtype else None
     if gate.layout != up.layout or type(gate) is not type(up):
         return None
 
