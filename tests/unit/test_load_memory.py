@@ -170,3 +170,23 @@ def test_fused_projections_parts_are_read_into_one_buffer(tmp_path):
     assert proj.weight.untyped_storage().data_ptr() == got[f"{prefix}.gate_proj.weight"].untyped_storage().data_ptr()
     want = torch.cat([tensors[f"{prefix}.gate_proj.weight"], tensors[f"{prefix}.up_proj.weight"]])
     assert torch.equal(proj.weight, want)
+
+
+def test_converting_a_gguf_tensor_a_few_rows_at_a_time_gives_the_same_blocks(monkeypatch):
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from waferscale.models import gguf_reader
+    from waferscale.models.quant import from_gguf
+
+    rng = np.random.default_rng(0)
+    for kind, k in (("Q4_K", 512), ("Q8_0", 64), ("Q6_K", 256), ("MXFP4", 64)):
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+        data = rng.integers(0, 256, (37, k // block * size), dtype=np.uint8)
+        want = from_gguf(data, kind, 37, k)
+        monkeypatch.setattr(gguf_reader, "_CONVERT_WEIGHTS", 5 * k)  # 5 rows at a time
+        got = gguf_reader._from_gguf_rows(data, kind, 37, k)
+        assert type(got) is type(want)
+        for key in ("qweight", "scales", "mins", "sup", "supm"):
+            a, b = getattr(got, key), getattr(want, key)
+            assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (kind, key)

@@ -4,6 +4,7 @@ them, the rest dequantized."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,7 +115,7 @@ def _tensors(reader, src: Path, cfg: ModelConfig, family, to_hf: dict, dtype: to
         if quantization != "none" and len(t.shape) in (2, 3):
             # GGUF lists dimensions innermost first; experts stacked in 3-D ([K, N, E]) become E * N rows
             n, k = int(np.prod([int(d) for d in t.shape[1:]])), int(t.shape[0])
-            w = from_gguf(np.asarray(t.data), t.tensor_type.name, n, k)
+            w = _from_gguf_rows(np.asarray(t.data).reshape(n, -1), t.tensor_type.name, n, k)
             if w is None and quantization in ("int8", "int4") and k % 32 == 0 and t.name != "rope_freqs.weight":
                 dense = dequantize(t.data, t.tensor_type).reshape(n, k)
                 w = quantize(torch.from_numpy(np.array(dense, dtype=np.float32)), quantization)
@@ -146,6 +147,30 @@ def _tensors(reader, src: Path, cfg: ModelConfig, family, to_hf: dict, dtype: to
             w = w.float() + family.gguf_norm_offset  # llama.cpp stores Gemma's norms as 1 + w
         yield name, w.to(dtype)
         del w
+
+
+_CONVERT_WEIGHTS = 1 << 22  # a quantized tensor is repacked about so many weights at a time
+
+
+def _from_gguf_rows(data: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | None:
+    """from_gguf of blocks [n, bytes a row], a few MiB of rows at a time into the result's tensors: repacking a
+    stacked expert tensor whole unpacked all of its values to bytes on the way (several times its size)."""
+    rows = max(1, _CONVERT_WEIGHTS // k)
+    if n <= rows:
+        return from_gguf(data, kind, n, k)
+    first, out = None, {}
+    for r in range(0, n, rows):
+        w = from_gguf(data[r : r + rows], kind, min(rows, n - r), k)
+        if w is None:
+            return None
+        if first is None:
+            first = w
+            out = {f: torch.empty((n, *v.shape[1:]), dtype=v.dtype)
+                   for f in ("qweight", "scales", "mins", "sup", "supm") if (v := getattr(w, f)) is not None}
+        for f, dest in out.items():
+            dest[r : r + w.out_features] = getattr(w, f)
+    fields = {f.name: getattr(first, f.name) for f in dataclasses.fields(first)}
+    return type(first)(**{**fields, **out})
 
 
 def _float_tensor(t, dequantize) -> torch.Tensor:
