@@ -422,6 +422,9 @@ def test_quantized_gguf_experts_load_from_their_blocks(tmp_path, monkeypatch, ki
         assert isinstance(experts.method, NativeExperts)
     downs = [e.down_proj.quant.parts[0].qweight for e in experts]
     assert len({d.untyped_storage().data_ptr() for d in downs}) == 1  # views of one stacked tensor
+    gate_ups = [e.gate_up_proj.quant.parts for e in experts]  # gate and up stacked as one by the conversion
+    assert all(len(p) == 1 for p in gate_ups)
+    assert len({p[0].qweight.untyped_storage().data_ptr() for p in gate_ups}) == 1
     ids = served.tokenizer.encode("Hello there, how are you")
     (tokens, _), = _ours(served, [ids])
     assert len(tokens) == 8

@@ -58,6 +58,7 @@ class GGUFTensor:
     shape: tuple[int, ...]
     tensor_type: GGMLQuantizationType
     data: np.ndarray
+    offset: int = 0  # where data starts in the file
 
 
 @dataclass
@@ -68,6 +69,18 @@ class GGUFFile:
     metadata: dict[str, Any]
     value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]]
     tensors: list[GGUFTensor]
+    mapping: mmap.mmap | None = None
+
+    def release(self, t: GGUFTensor) -> None:
+        """Drop the pages of t's data from this process's RSS: every page of a mapped file once read stays
+        counted until the mapping goes, and a conversion reads all of them. The data reads the same afterwards
+        (the pages come back from the file)."""
+        if self.mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = t.offset - t.offset % mmap.PAGESIZE
+        length = min(t.offset + t.data.nbytes, len(self.mapping)) - start
+        if length > 0:
+            self.mapping.madvise(mmap.MADV_DONTNEED, start, length)
 
 
 class _Cursor:
@@ -169,5 +182,5 @@ def _parse(buf: mmap.mmap) -> GGUFFile:
             data = whole[at : at + nbytes].view(dtype).reshape(np_dims)
         else:
             data = whole[at : at + nbytes].reshape(quant_shape_to_byte_shape(np_dims, ttype))
-        tensors.append(GGUFTensor(name, dims, ttype, data))
-    return GGUFFile(metadata, value_types, tensors)
+        tensors.append(GGUFTensor(name, dims, ttype, data, at))
+    return GGUFFile(metadata, value_types, tensors, buf)

@@ -92,18 +92,22 @@ def split_gpt_oss_experts(tensors: dict, num_experts: int, dtype: torch.dtype) -
             if blocks.shape[0] != num_experts:
                 raise ValueError(f"{stem}_blocks holds {blocks.shape[0]} experts, the config says {num_experts}")
             stack = Mxfp4Weight.from_blocks(blocks, scales, interleaved=True)  # [E * N, K]
+            del blocks, scales
             if dtype == torch.float32:  # the exact path: float [E, K, N], as transformers holds them
                 stack = stack.dequantize().view(num_experts, stack.out_features // num_experts, -1).transpose(1, 2)
             tensors[stem] = stack
     for name in [k for k in tensors if k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
         prefix, _, proj = name.rpartition(".")
         stack, bias = tensors.pop(name), tensors.pop(f"{name}_bias")
+        if proj == "gate_up_proj" and isinstance(stack, QuantWeight):
+            _gate_rows_first(stack, num_experts)
         per = _per_expert(stack, num_experts)
         for j in range(num_experts):
             w = per[j]
             if proj == "gate_up_proj":  # gate is every even output, up every odd one
-                if isinstance(w, QuantWeight):
-                    gate, up = w.take_rows(slice(0, None, 2)), w.take_rows(slice(1, None, 2))
+                if isinstance(w, QuantWeight):  # reordered above (_gate_rows_first): consecutive rows, views
+                    half = w.out_features // 2
+                    gate, up = w.take_rows(slice(0, half)), w.take_rows(slice(half, None))
                 else:
                     gate, up = w[:, 0::2].T, w[:, 1::2].T
                 tensors[f"{prefix}.{j}.gate_proj.weight"], tensors[f"{prefix}.{j}.up_proj.weight"] = gate, up
@@ -112,6 +116,17 @@ def split_gpt_oss_experts(tensors: dict, num_experts: int, dtype: torch.dtype) -
             else:
                 tensors[f"{prefix}.{j}.down_proj.weight"] = w if isinstance(w, QuantWeight) else w.T
                 tensors[f"{prefix}.{j}.down_proj.bias"] = bias[j]
+
+
+def _gate_rows_first(stack: QuantWeight, num_experts: int) -> None:
+    """Reorder, in place and an expert at a time, each expert's interleaved gate/up rows (gate every even row) to
+    its gate rows then its up rows: each expert's gate and up are then consecutive rows of the stack, which the
+    projections take as views (layouts.adjacent_rows) rather than a copy of every expert's rows."""
+    for t in (stack.qweight, stack.scales):
+        per = t.view(num_experts, -1, *t.shape[1:])
+        for j in range(num_experts):
+            rows = per[j]
+            rows.copy_(rows.view(rows.shape[0] // 2, 2, *rows.shape[1:]).transpose(0, 1).contiguous().view(rows.shape))
 
 
 def _per_expert(stack, num_experts: int) -> list:

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from waferscale import __version__, kernels
@@ -22,6 +20,7 @@ from waferscale.models.base import CausalLM
 from waferscale.models.config import ModelConfig
 from waferscale.models.gguf_reader import read_gguf
 from waferscale.models.layers.linear import LoadContext
+from waferscale.models.layers.moe import GATE_UP_ROWS, stack_gate_up
 from waferscale.models.quant import (
     QUANTIZATIONS,
     QuantLinear,
@@ -30,12 +29,15 @@ from waferscale.models.quant import (
     quantize,
 )
 from waferscale.models.registry import family_for_hf
+from waferscale.models.safetensors_stream import DTYPES as STREAM_DTYPES
+from waferscale.models.safetensors_stream import SafetensorsWriter, read_header, read_tensors
 from waferscale.models.source import ModelLoadError, cache_root, derive_name, model_source
 from waferscale.models.tokenizer import ModelTokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_CONVERSION_FORMAT = 6  # bump when the cached layout changes (3: quantized blocks, models/quant/; 4: scales as
-# GGUF stores them; 5: int4 in two levels where K allows)
+_CONVERSION_FORMAT = 8  # bump when the cached layout changes (3: quantized blocks, models/quant/; 4: scales as
+# GGUF stores them; 5: int4 in two levels where K allows; 7: GGUF's quantized gate and up expert stacks as one;
+# 8: its float expert stacks per expert)
 
 
 @dataclass
@@ -121,14 +123,12 @@ def _load_folder(
     _refuse_unless_fits(sum(s.stat().st_size for s in shards), src)
     tensors: dict[str, torch.Tensor] = {}
     for shard in tqdm(shards, desc=f"loading {name}", unit="shard", disable=not progress, file=sys.stderr):
-        # copies: load_file's tensors map the file, and a mapping lives as long as any tensor of it, with every
-        # page ever read counted in RSS; so a weight copied at load (q/k/v and gate/up fused, bf16 packed for the
-        # kernels) stayed resident twice (an 8B int4 model: 9.6 GB of RSS for 5.5 GB of weights)
-        part = load_file(str(shard))
-        for key, value in part.items():
-            if (text_name := text_model_name(key)) is not None:
-                tensors[text_name] = value.clone()
-        del part
+        # read, not mapped: a mapped file's pages stay in RSS as long as any tensor of it lives, so a weight
+        # copied at load (fused, packed) was resident twice (safetensors_stream.py)
+        header = read_header(shard)[0]
+        keep = [k for k in header if text_model_name(k) is not None]
+        for key, value in read_tensors(shard, keep, into=_fused_destinations(header)):
+            tensors[text_model_name(key)] = value
     model = family_for_hf(cfg.architecture).model_class()(cfg, context, dtype)
     state = gather_quantized(tensors)
     tensors.clear()  # the model's modules hold the only references: a weight they release is freed
@@ -161,6 +161,31 @@ def _load_folder(
     return LoadedModel(model, tokenizer, cfg, name, str(src), dtype, context, fingerprint, quant_label)
 
 
+def _fused_destinations(header: dict) -> dict[str, torch.Tensor]:
+    """For the tensors a fused projection is made of (q/k/v, gate/up: base.FUSED, an expert's included, and each
+    of a quantized weight's parts), consecutive rows of one buffer to read them into, so that the projection takes
+    them as a view (layouts.adjacent_rows) instead of a copy beside them: per-expert checkpoints' gate and up were
+    copied expert by expert, and the freed halves left in the heap. The buffers take memory only as read."""
+    from waferscale.models.base import FUSED
+
+    out: dict[str, torch.Tensor] = {}
+    for parts in FUSED.values():
+        first = f".{parts[0]}."
+        for name, info in header.items():
+            if first not in name:
+                continue
+            names = [name.replace(first, f".{p}.", 1) for p in parts]
+            infos = [header.get(n) for n in names]
+            if any(i is None or i["dtype"] != info["dtype"] or len(i["shape"]) != len(info["shape"])
+                   or i["shape"][1:] != info["shape"][1:] or not i["shape"] for i in infos):
+                continue
+            rows = [i["shape"][0] for i in infos]
+            buf = torch.empty([sum(rows), *info["shape"][1:]], dtype=STREAM_DTYPES[info["dtype"]])
+            for n, part in zip(names, buf.split(rows)):
+                out[n] = part
+    return out
+
+
 _QUANTIZE_SUFFIXES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
 
 
@@ -184,7 +209,7 @@ def _quantized_weights(src: Path, method: str, progress: bool) -> list[Path]:
     """A Hugging Face folder's weights with its projections and embeddings quantized (int8 or int4), made once
     and cached; returns the safetensors shards, one per source shard. Made shard by shard, each saved and freed
     before the next is read: holding them all (and save_file's byte copies) until one final write took an 8B
-    model's first load to 19.5 GB of RSS, for 5.5 GB of int4 weights."""
+    model's first load to 19.5 GB of RSS, for 5.5 GB of int4 weights; now one tensor at a time is held."""
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
         raise ModelLoadError(f"{src} has no *.safetensors weights")
@@ -198,17 +223,14 @@ def _quantized_weights(src: Path, method: str, progress: bool) -> list[Path]:
     for k, shard in enumerate(
         tqdm(shards, desc=f"quantizing to {method}", unit="shard", disable=not progress, file=sys.stderr)
     ):
-        out: dict[str, torch.Tensor] = {}
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
+        with SafetensorsWriter(tmp / f"{k + 1:05d}.safetensors") as out:  # a tensor at a time, read and written
+            for name, t in read_tensors(shard):
                 if name.endswith(_QUANTIZE_SUFFIXES) and t.dim() == 2 and t.shape[1] % 32 == 0:
-                    out.update(quantize(t, method).to_tensors(name))
+                    for part, value in quantize(t, method).to_tensors(name).items():
+                        out.add(part, value)
                 else:
-                    out[name] = t
+                    out.add(name, t)
                 del t
-        save_file(out, str(tmp / f"{k + 1:05d}.safetensors"))
-        del out
     (tmp / "complete").write_text(str(src))
     if target.exists():  # another process finished first: keep its copy
         shutil.rmtree(tmp, ignore_errors=True)
@@ -288,12 +310,10 @@ def _converted_gguf(src: Path, dtype: str, progress: bool, quantization: str = "
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     cfg, tokenizer, tensors = read_gguf(src, DTYPES[dtype], progress, quantization)
-    flat: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        flat.update(t.to_tensors(name) if isinstance(t, QuantWeight) else {name: t})
+    with SafetensorsWriter(tmp / "model.safetensors") as out:  # a tensor at a time: converted, written, freed
+        _write_converted(out, tensors, cfg.num_experts)
     del tensors
-    save_file(flat, str(tmp / "model.safetensors"))
-    del flat
+    trim_heap()
     (tmp / "config.json").write_text(json.dumps(cfg.to_dict()))
     tokenizer.save(tmp)
     (tmp / "complete").write_text(str(src))
@@ -302,3 +322,44 @@ def _converted_gguf(src: Path, dtype: str, progress: bool, quantization: str = "
         return folder
     tmp.rename(folder)
     return folder
+
+
+def _write_converted(out: SafetensorsWriter, tensors, num_experts: int) -> None:
+    """Write each converted tensor as it comes. GGUF's expert stacks: quantized gate and up stacks of a layer as
+    one `experts.gate_up_rows` stack, so that each expert's fused gate/up is a view of it at load (no copy, and
+    no second stack beside the first while a layer loads); float stacks as per-expert tensors, which packing
+    replaces and frees an expert at a time (a stack stayed whole until its layer's last expert was packed: one
+    layer's experts above the loaded size)."""
+
+    def write(name: str, t) -> None:
+        for key, value in (t.to_tensors(name) if isinstance(t, QuantWeight) else {name: t}).items():
+            out.add(key, value)
+
+    halves = (".mlp.experts.gate_proj.weight", ".mlp.experts.up_proj.weight")
+    stacks = (*halves, ".mlp.experts.down_proj.weight")
+    waiting: dict[str, object] = {}  # a layer's gate or up stack until its other half comes
+    for name, t in tensors:
+        if num_experts and name.endswith(stacks) and isinstance(t, torch.Tensor) and t.dim() == 3:
+            owner, _, tail = name.rpartition(".mlp.experts.")
+            for j in range(t.shape[0]):
+                out.add(f"{owner}.mlp.experts.{j}.{tail}", t[j])
+            continue
+        if not num_experts or not name.endswith(halves):
+            write(name, t)
+            continue
+        prefix = name.rsplit(".mlp.experts.", 1)[0] + ".mlp.experts."
+        waiting[name] = t
+        del t
+        gate_name, up_name = prefix + "gate_proj.weight", prefix + "up_proj.weight"
+        if gate_name in waiting and up_name in waiting:
+            gate, up = waiting.pop(gate_name), waiting.pop(up_name)
+            both = stack_gate_up(gate, up, num_experts)
+            if both is None:  # quantized in different layouts: kept apart
+                write(gate_name, gate)
+                write(up_name, up)
+            else:
+                del gate, up
+                write(prefix + GATE_UP_ROWS, both)
+            del both
+    for name, t in waiting.items():
+        write(name, t)

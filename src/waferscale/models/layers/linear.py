@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from waferscale.kernels import pack_bf16
+from waferscale.kernels import pack_bf16, pack_bf16_pairs
 from waferscale.models.quant import QuantLinear, QuantWeight, cat_rows
+from waferscale.models.quant.layouts import adjacent_rows
 from waferscale.models.quant.modules import MXFP4_SCALES
 
 _UPCAST_ROWS = 64  # without float32 copies, batches this large are still worth upcasting on the fly
@@ -59,6 +60,33 @@ def onednn_rows(rows: int) -> int:
     16; beyond: a multiple of 64 (at most ~1/3 extra rows, in the fast batch sizes)."""
     step = 16 if rows <= 128 else 64
     return -(-rows // step) * step
+
+
+_PACK_CHUNK_BYTES = 1 << 24  # pack_bf16 makes three copies of what it packs: so many bytes of rows at a time
+
+
+def pack_bf16_chunked(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """kernels.pack_bf16 (or, pairs, pack_bf16_pairs of a fused gate/up) of a [N, K] weight, the same panels, made a
+    few MiB of rows at a time into the result: packing a large weight whole (a 150k-token head) held three
+    transient copies of it beside the weight."""
+    n, k = weight.shape
+    rows = max(16, _PACK_CHUNK_BYTES // (2 * k) // 16 * 16)
+    if n <= rows:
+        return pack_bf16_pairs(weight) if pairs else pack_bf16(weight)
+    if not pairs:
+        out = torch.empty(-(-n // 16), k, 16, dtype=torch.bfloat16)
+        for r in range(0, n, rows):
+            part = pack_bf16(weight[r : r + rows])
+            out[r // 16 : r // 16 + part.shape[0]] = part
+        return out
+    inter = n // 2  # gate rows then up rows; panel pairs (gate i, up i) in order
+    out = torch.empty(n // 16, k, 16, dtype=torch.bfloat16)
+    half = max(16, rows // 2)
+    for r in range(0, inter, half):
+        part = torch.cat([weight[r : r + half], weight[inter + r : inter + r + half]])
+        part = pack_bf16_pairs(part)
+        out[2 * r // 16 : 2 * r // 16 + part.shape[0]] = part
+    return out
 
 
 def _meta(t: torch.Tensor) -> nn.Parameter:
@@ -175,7 +203,7 @@ class PackedBF16Method(LinearMethod):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels, max_rows: int | None, fallback):
         self.kernels, self.max_rows, self.fallback = kernels, max_rows, fallback
         self.out_features = weight.shape[0]
-        self.packed = pack_bf16(weight.detach())
+        self.packed = pack_bf16_chunked(weight.detach())
         self.bias_f32 = None if bias is None else bias.detach().float()
 
     def takes_native(self, x: torch.Tensor) -> bool:
@@ -276,7 +304,8 @@ class Linear(nn.Module):
             return
         dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
         dense = [p.dequantize().to(dtype) if isinstance(p, QuantWeight) else p for p in parts]
-        put(self, "weight", torch.cat(dense) if len(dense) > 1 else dense[0], name)
+        joined = adjacent_rows(dense) if len(dense) > 1 else dense[0]  # consecutive rows of a stack: no copy
+        put(self, "weight", torch.cat(dense) if joined is None else joined, name)
         if bias is not None:
             put(self, "bias", bias, name + ".bias")
 

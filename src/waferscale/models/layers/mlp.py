@@ -7,8 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from waferscale.kernels import pack_bf16_pairs
-from waferscale.models.layers.linear import Linear, LoadContext, TorchMethod, Unpacked, _meta, within
+from waferscale.models.layers.linear import (
+    Linear,
+    LoadContext,
+    TorchMethod,
+    Unpacked,
+    _meta,
+    pack_bf16_chunked,
+    within,
+)
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -68,7 +75,7 @@ class GatedMLP(nn.Module):
         ):
             return
         self.kernels, self.pair_rows = ctx.kernels, ctx.native_rows
-        self.gate_up_pairs = pack_bf16_pairs(proj.weight.detach())
+        self.gate_up_pairs = pack_bf16_chunked(proj.weight.detach(), pairs=True)
         if self.pair_rows is None:  # every bf16 batch reads the pairs: they are the only copy kept
             proj.weight, proj.method = _meta(proj.weight), Unpacked()
         else:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from waferscale.heap import trim_heap
 from waferscale.models import quant
 from waferscale.models.layers.linear import Linear, LoadContext, within
 from waferscale.models.layers.mlp import GatedMLP
@@ -122,9 +123,14 @@ class Experts(nn.ModuleList):
         is multiplied in hardware: experts are most of the model's bytes and take a few rows each."""
         if ctx.packs_bf16() and ctx.native_rows is not None:
             ctx = dataclasses.replace(ctx, hardware_bf16=False)
-        for m in self.modules():
-            if m is not self and hasattr(m, "process_weights_after_loading"):
-                m.process_weights_after_loading(ctx)
+        for expert in self:
+            for m in expert.modules():
+                if hasattr(m, "process_weights_after_loading"):
+                    m.process_weights_after_loading(ctx)
+            # the weight a packed copy replaced, back now: the copies are allocated elsewhere than the freed
+            # weights, which were left in the heap, an expert at a time until the whole model's were (2 layers of
+            # Qwen3-30B-A3B's shape in bf16: a 1.9 GB peak above the loaded size)
+            trim_heap()
         self.method = GroupedExperts(self)
         if ctx.kernels is None or ctx.dtype != torch.bfloat16:
             return
@@ -192,12 +198,37 @@ class SparseMoE(nn.Module):
         return out if residual is None else residual + out
 
 
+GATE_UP_ROWS = "gate_up_rows"  # stacked experts' gate and up, each expert's gate rows then its up rows
+
+
+def stack_gate_up(gate, up, num_experts: int):
+    """One QuantWeight of every expert's gate rows then up rows (E * 2N rows), from GGUF's separate gate and up
+    stacks; None where they cannot share one (not quantized, or in different layouts). Written as
+    `experts.gate_up_rows`, each expert's fused gate/up is then a view of it at load, not a copy."""
+    from waferscale.models.quant import QuantWeight
+
+    if not (isinstance(gate, QuantWeight) and isinstance(up, QuantWeight)) or gate.shape != up.shape:
+        return None
+    if gate.layout != up.layout or type(gate) is not type(up):
+        return None
+
+    def rows(key: str) -> torch.Tensor | None:
+        g, u = getattr(gate, key), getattr(up, key)
+        if g is None:
+            return None
+        both = torch.stack([g.reshape(num_experts, -1, *g.shape[1:]), u.reshape(num_experts, -1, *u.shape[1:])], 1)
+        return both.reshape(-1, *g.shape[1:])
+
+    fields = {f.name: getattr(gate, f.name) for f in dataclasses.fields(gate)}
+    return type(gate)(**{**fields, **{k: rows(k) for k in ("qweight", "scales", "mins", "sup", "supm")}})
+
+
 def split_stacked_experts(tensors: dict, num_experts: int) -> None:
     """Replace, in place, every projection stored for all experts at once by per-expert entries named as published
     checkpoints name them (`...mlp.experts.{j}.gate_proj.weight`): transformers' fused 3-D parameters
     (`experts.gate_up_proj` [E, 2I, H], gate rows first, and `experts.down_proj` [E, H, I]) and the GGUF stacks
-    (`experts.gate_proj.weight` ..., [E, N, K] float or a QuantWeight of E * N rows). Each entry is a view of the
-    stack's rows, not a copy."""
+    (`experts.gate_proj.weight` ..., [E, N, K] float or a QuantWeight of E * N rows), and a conversion's
+    `experts.gate_up_rows` (stack_gate_up). Each entry is a view of the stack's rows, not a copy."""
     from waferscale.models.quant import QuantWeight
 
     def per_expert(value) -> list:
@@ -213,9 +244,11 @@ def split_stacked_experts(tensors: dict, num_experts: int) -> None:
     for name in [k for k in tensors if ".mlp.experts." in k]:
         owner, _, tail = name.partition(".mlp.experts.")
         prefix = f"{owner}.mlp.experts"
-        if tail == "gate_up_proj":
+        if tail in ("gate_up_proj", GATE_UP_ROWS):
             for j, w in enumerate(per_expert(tensors.pop(name))):
-                gate, up = w.chunk(2, dim=0)
+                n = w.shape[0] // 2
+                gate, up = (w.take_rows(slice(0, n)), w.take_rows(slice(n, None))) if isinstance(
+                    w, QuantWeight) else (w[:n], w[n:])
                 tensors[f"{prefix}.{j}.gate_proj.weight"], tensors[f"{prefix}.{j}.up_proj.weight"] = gate, up
         elif tail in ("down_proj", "gate_proj.weight", "up_proj.weight", "down_proj.weight"):
             proj = tail.removesuffix(".weight")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,8 +136,37 @@ def gather_quantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
+def adjacent_rows(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The rows of `parts` as one tensor without a copy, where each part is contiguous and starts where the one
+    before it ends in the same storage (views of one stack's consecutive rows, as an expert's gate and up are in
+    a stacked checkpoint); None otherwise."""
+    if any(p is None for p in parts):
+        return None
+    first = parts[0]
+    at = first.storage_offset()
+    for p in parts:
+        if (
+            not p.is_contiguous()
+            or p.dtype != first.dtype
+            or p.shape[1:] != first.shape[1:]
+            or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or p.storage_offset() != at
+        ):
+            return None
+        at += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    stride = (math.prod(first.shape[1:]), *first.stride()[1:])
+    return first.as_strided((rows, *first.shape[1:]), stride, first.storage_offset())
+
+
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
-    """Stack weights of one layout along N (q, k, v into qkv)."""
+    """Stack weights of one layout along N (q, k, v into qkv): a view where they are consecutive rows of one
+    stack already (adjacent_rows), else a copy."""
+    keys = [k for k in ("qweight", "scales", "mins", "sup", "supm") if getattr(parts[0], k) is not None]
+    joined = {k: adjacent_rows([getattr(p, k) for p in parts]) for k in keys}
+    if all(v is not None for v in joined.values()):
+        fields = {f.name: getattr(parts[0], f.name) for f in dataclasses.fields(parts[0])}
+        return type(parts[0])(**{**fields, **joined})
     if hasattr(parts[0], "cat"):  # a layout with its own stacking (MXFP4)
         return parts[0].cat(parts)
 
@@ -198,12 +229,24 @@ def weight_from_values(
     )
 
 
+_QUANTIZE_ROWS_WEIGHTS = 1 << 22  # quantize() works on rows of about so many weights at a time
+
+
 def quantize(weight: torch.Tensor, method: str, group: int = GROUP) -> QuantWeight:
     """--quantization int8 (symmetric: scale = max|w| / 127) or int4 (scale and min from each group's range; where
-    K is a multiple of 256, in Q4_K's two-level form, see _int4_two_level)."""
+    K is a multiple of 256, in Q4_K's two-level form, see _int4_two_level). Rows are quantized independently, a
+    few MiB of them at a time: whole, a large weight (an embedding table) took several float32 copies of itself."""
     n, k = weight.shape
     if k % group or k % 32:
         raise ValueError(f"in_features {k} is not a multiple of the group size {group} (and of 32)")
+    rows = max(1, _QUANTIZE_ROWS_WEIGHTS // k)
+    if n > rows:
+        return cat_rows([_quantize_rows(weight[r : r + rows], method, group) for r in range(0, n, rows)])
+    return _quantize_rows(weight, method, group)
+
+
+def _quantize_rows(weight: torch.Tensor, method: str, group: int) -> QuantWeight:
+    n, k = weight.shape
     w = weight.detach().float().view(n, -1, group)
     if method == "int8":
         scale = w.abs().amax(-1) / 127
