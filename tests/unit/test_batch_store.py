@@ -117,3 +117,20 @@ def test_a_request_the_engine_cannot_take_now_runs_again(tmp_path, transient):
     runner = BatchRunner(store, BatchSettings(data_dir=tmp_path), execute, lambda m: True)
     row = run_until(runner, store, "batch_1", ("completed",))
     assert (row["completed"], row["failed"], len(calls)) == ((1, 0, 2) if transient else (0, 1, 1))
+
+
+def test_the_runner_stops_when_a_wake_up_meets_the_cancellation(tmp_path):
+    """A wake-up that lands as the runner is cancelled (a request ending as the server stops) must not keep it
+    running: Python < 3.12's wait_for swallows such a cancellation."""
+
+    async def go() -> float:
+        runner = BatchRunner(Store(tmp_path), BatchSettings(data_dir=tmp_path), None, lambda m: True)
+        runner.start()
+        await asyncio.sleep(0.3)  # its first pass done, the runner waits for a wake-up
+        start = time.monotonic()
+        asyncio.get_running_loop().call_later(3, asyncio.current_task().cancel)  # fail, not hang (stop returns)
+        runner.wake()
+        await runner.stop()
+        return time.monotonic() - start
+
+    assert asyncio.run(go()) < 2

@@ -51,12 +51,14 @@ class BatchRunner:
         self._busy: set[str] = set()  # batches being validated or finalized (off the event loop)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._swept = 0.0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
+        self._stopping = True  # the loop also ends on its own: Python < 3.12's wait_for can swallow a cancellation
         tasks = [t for t in (self._task, *self.inflight.values()) if t is not None]
         for t in tasks:
             t.cancel()
@@ -68,7 +70,7 @@ class BatchRunner:
         self._wake.set()
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self._tick()
             except Exception:
