@@ -58,7 +58,8 @@ class BatchRunner:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        self._stopping = True  # the loop also ends on its own: Python < 3.12's wait_for can swallow a cancellation
+        # the loop also ends on its own: Python < 3.12's wait_for can swallow a cancellation
+        self._stopping = True
         tasks = [t for t in (self._task, *self.inflight.values()) if t is not None]
         for t in tasks:
             t.cancel()
