@@ -47,6 +47,11 @@ CMAKE_ARGS = [
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_OPENSSL=OFF",
 ]
+# ggml's AMX weight repacking killed llama-server at load (SIGILL, SIGSEGV) on a 2-core AMX Xeon VM; its AVX-512
+# paths are kept (GCC's explicit -mno-* flags win over -march=native's)
+if "amx_tile" in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""):
+    NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CMAKE_ARGS += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 
 # ---------------------------------------------------------------- llama.cpp build and model files

@@ -25,19 +25,78 @@ log = logging.getLogger("waferscale.engine")
 TRIM_INTERVAL = 30.0  # seconds of uninterrupted work between heap trims (a trim costs milliseconds)
 
 
+class EngineHost:
+    """The one thread that runs the steps of every engine in this process, each model's of a server of several.
+
+    Each thread that runs PyTorch or the native kernels keeps an OpenMP team of its own, and libgomp stops spinning
+    at its barriers once the teams' threads outnumber the CPUs: with two models on two engine threads, each model's
+    decode steps ran up to twice as slow even while the other was idle. On one thread, the models' steps take turns
+    on one team. The thread ends when its last engine does (its team with it) and starts again with the next one.
+    """
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self._engines: list[AsyncEngine] = []
+        self._thread: threading.Thread | None = None
+
+    def add(self, engine: AsyncEngine) -> None:
+        with self.cv:
+            self._engines.append(engine)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="waferscale-engine", daemon=True)
+                self._thread.start()
+            self.cv.notify_all()
+
+    def _run(self) -> None:
+        engines: list[AsyncEngine] = []
+        try:
+            while True:
+                with self.cv:
+                    while self._engines and not any(e._wants_turn() for e in self._engines):
+                        self.cv.wait()
+                    if not self._engines:
+                        self._thread = None
+                        return
+                    engines = list(self._engines)
+                for e in engines:
+                    if not e._turn():  # it has ended (stopped, or its step raised past every handler)
+                        with self.cv:
+                            self._engines.remove(e)
+        except BaseException:  # not an engine's own failure (each turn catches its own): end them all
+            log.critical("the engine thread died; no request will be served until a restart", exc_info=True)
+            with self.cv:
+                ending, self._engines, self._thread = list(self._engines), [], None
+            for e in ending:
+                e._end(_unavailable("the engine thread stopped"))
+            raise
+
+
+HOST = EngineHost()
+
+
+def _unavailable(what: str) -> RequestError:
+    return RequestError(
+        ErrorKind.UNAVAILABLE, f"the inference engine stopped ({what}); this server cannot serve requests until it "
+        "is restarted",
+    )  # fmt: skip
+
 
 class AsyncEngine:
     """Thread-safe front of LLMEngine (the interface the API talks to): `generate` yields a sequence's events as
     the engine thread makes them; `abort`, `stats`, `num_waiting` and `healthy` answer from any thread."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, host: EngineHost | None = None):
         self.engine = engine
-        self._cv = threading.Condition()
+        self._host = host or HOST
+        self._cv = self._host.cv
         self._commands: list[tuple] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._started = False
         self._stopped = False
-        self._dead: RequestError | None = None  # set once the thread has ended: why nothing more is served
-        self._thread = threading.Thread(target=self._run, name="waferscale-engine", daemon=True)
+        self._dead: RequestError | None = None  # set once it has ended: why nothing more is served
+        self._ended = threading.Event()
+        self._busy = False
+        self._trimmed = time.monotonic()
 
     def start(self) -> None:
         # Everything loaded so far (the model's modules, the libraries, the app: ~235k objects) lives as long as the
@@ -45,17 +104,19 @@ class AsyncEngine:
         # whatever thread allocated past the threshold, and every stream missed that long.
         gc.collect()
         gc.freeze()
-        self._thread.start()
+        self._started = True
+        self._host.add(self)
 
     def stop(self) -> None:
         with self._cv:
             self._stopped = True
-            self._cv.notify()
-        self._thread.join(timeout=10)
+            self._cv.notify_all()
+        if self._started:
+            self._ended.wait(timeout=10)
 
     def healthy(self) -> bool:
-        """Whether the engine thread is running and taking requests."""
-        return self._dead is None and self._thread.is_alive()
+        """Whether the engine is running and taking requests."""
+        return self._started and self._dead is None
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_key: str | None = None
@@ -68,7 +129,7 @@ class AsyncEngine:
             if dead is None:
                 self._streams[request_id] = (asyncio.get_running_loop(), queue)
                 self._commands.append(("add", request_id, prompt_ids, params))
-                self._cv.notify()
+                self._cv.notify_all()
         if dead is not None:
             yield GenerationEvent(request_id, finished=True, error=dead)
             return
@@ -101,61 +162,63 @@ class AsyncEngine:
     def _submit(self, command: tuple) -> None:
         with self._cv:
             self._commands.append(command)
-            self._cv.notify()
+            self._cv.notify_all()
 
-    # ------------------------------------------------------------------ the engine thread
-    def _run(self) -> None:
-        reason = RequestError(ErrorKind.SHUTTING_DOWN, "the server is shutting down")
+    # ------------------------------------------------------------------ on the engine thread
+    def _wants_turn(self) -> bool:
+        """(Under the host's lock.) Commands to apply, a step to run, an idle heap to trim, or a stop."""
+        return bool(self._commands) or self._stopped or self._busy or self.engine.has_work()
+
+    def _turn(self) -> bool:
+        """Its commands, then one step if it has work; False once it has ended."""
         try:
-            self._loop()
-        except BaseException as exc:
-            log.critical("the engine thread died; no request will be served until a restart", exc_info=True)
-            reason = RequestError(
-                ErrorKind.UNAVAILABLE,
-                f"the inference engine stopped ({type(exc).__name__}); this server cannot serve requests until it "
-                "is restarted",
-            )
-        finally:
-            with self._cv:
-                self._dead = reason
-                streams = list(self._streams)
-            self._dispatch([GenerationEvent(rid, finished=True, error=reason) for rid in streams])
+            return self._take_turn()
+        except BaseException as exc:  # fail_all raised too: this engine ends, the other models' engines go on
+            log.critical("the engine stopped; no request will be served until a restart", exc_info=True)
+            self._end(_unavailable(type(exc).__name__))
+            return False
 
-    def _loop(self) -> None:
+    def _take_turn(self) -> bool:
         engine = self.engine
-        busy = False
-        trimmed = time.monotonic()
-        while True:
-            if busy and not engine.has_work():
-                busy = False
-                trim_heap()  # the engine just went idle: hand freed heap back to the OS (outside the lock)
-                trimmed = time.monotonic()
-            elif busy and time.monotonic() - trimmed > TRIM_INTERVAL:
+        with self._cv:
+            if self._stopped:
+                stopped = True
+            else:
+                stopped, (commands, self._commands) = False, (self._commands, [])
+        if stopped:
+            self._end(RequestError(ErrorKind.SHUTTING_DOWN, "the server is shutting down"))
+            return False
+        for command in commands:
+            try:
+                self._apply(command)
+            except Exception as exc:  # one bad command fails its own request, never the engine
+                log.exception("engine command %s failed", command[0])
+                if command[0] == "add":
+                    self._dispatch([GenerationEvent(command[1], finished=True, error=internal_error(exc))])
+        if engine.has_work():
+            self._busy = True
+            try:
+                events = engine.step()
+            except Exception as exc:  # step() isolates its own failures; this is the last resort
+                log.exception("engine step failed")
+                events = engine.fail_all(internal_error(exc))  # if this raises too, the engine ends
+            self._dispatch(events)
+            if time.monotonic() - self._trimmed > TRIM_INTERVAL:
                 trim_heap()  # a load that never pauses: freed heap still goes back this often
-                trimmed = time.monotonic()
-            with self._cv:
-                while not self._commands and not engine.has_work() and not self._stopped:
-                    self._cv.wait()
-                if self._stopped:
-                    return
-                commands, self._commands = self._commands, []
-            for command in commands:
-                try:
-                    self._apply(command)
-                except Exception as exc:  # one bad command fails its own request, never the thread
-                    log.exception("engine command %s failed", command[0])
-                    if command[0] == "add":
-                        self._dispatch(
-                            [GenerationEvent(command[1], finished=True, error=internal_error(exc))]
-                        )
-            if engine.has_work():
-                busy = True
-                try:
-                    events = engine.step()
-                except Exception as exc:  # step() isolates its own failures; this is the last resort
-                    log.exception("engine step failed")
-                    events = engine.fail_all(internal_error(exc))  # if this raises too, the thread ends
-                self._dispatch(events)
+                self._trimmed = time.monotonic()
+        elif self._busy:
+            self._busy = False
+            trim_heap()  # the engine just went idle: hand freed heap back to the OS
+            self._trimmed = time.monotonic()
+        return True
+
+    def _end(self, reason: RequestError) -> None:
+        """Nothing more is served: every open request gets `reason`, new ones fail at once."""
+        with self._cv:
+            self._dead = reason
+            streams = list(self._streams)
+        self._dispatch([GenerationEvent(rid, finished=True, error=reason) for rid in streams])
+        self._ended.set()
 
     def _apply(self, command: tuple) -> None:
         engine = self.engine

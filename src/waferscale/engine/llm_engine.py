@@ -78,14 +78,22 @@ class LLMEngine:
         cfg = loaded.config
         kv_dtype, compute_dtype = kv_cache_dtypes(kv_cache_dtype, loaded.dtype)
         layout = KVLayout(tuple(cfg.window(i) for i in range(cfg.num_layers)))
-        per_page = KVPool.bytes_per_block(layout.group_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, block_size)
+        per_page = KVPool.bytes_per_block(
+            layout.group_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, block_size
+        )
         kinds = layout.block_kinds
         num_pages = max(1 + max(k.pages for k in kinds), kv_cache_bytes // per_page)
         self.block_size = block_size
         # decode attention reads the pool in place through the native kernel where it could be built
         self.native = kernels.load() if kv_dtype in (torch.float32, torch.bfloat16, torch.int8) else None
         self.pool = KVPool(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, num_pages, block_size, layout.windows,
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            kv_dtype,
+            num_pages,
+            block_size,
+            layout.windows,
             compute_dtype,
         )
         self.blocks = BlockManager(num_pages, block_size, enable_prefix_cache, kinds)
@@ -110,7 +118,9 @@ class LLMEngine:
             )
         self._log_kv(kv_dtype, per_page)
         self.faults = FaultHooks()
-        self.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
+        self.threads = ThreadGovernor(
+            torch.get_num_threads(), torch.set_num_threads, applied=torch.get_num_threads
+        )
         self.grammars = GrammarMasks(loaded.tokenizer.tokenizer, cfg.vocab_size, self.eos_ids)
         self.output = OutputProcessor(
             self.tokenizer,
@@ -144,8 +154,12 @@ class LLMEngine:
         cfg, bs = self.loaded.config, self.block_size
         kinds = ", ".join(
             f"{k.pages * per_page / bs / 1024:.1f} KB a token in {k.pages * self.pool.layout.group_size} "
-            + ("whole-context layers" if k.window is None else f"layers of window {k.window} (at most "
-               f"{self.scheduler.window_blocks(k.window) * bs} tokens a sequence)")
+            + (
+                "whole-context layers"
+                if k.window is None
+                else f"layers of window {k.window} (at most "
+                f"{self.scheduler.window_blocks(k.window) * bs} tokens a sequence)"
+            )
             for k in self.blocks.kinds
         )
         longest = self.scheduler.capacity_tokens()
@@ -242,7 +256,9 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             events += [self.output.event(seq) for seq in batch.ended]
             if batch.decodes or batch.prefills:
-                key = None if batch.prefills else len(batch.decodes).bit_length()  # decode steps, by batch size
+                key = (
+                    None if batch.prefills else len(batch.decodes).bit_length()
+                )  # decode steps, by batch size
                 threads = self.threads.threads_for(key)
                 start = time.perf_counter()
                 events += self._run(batch)

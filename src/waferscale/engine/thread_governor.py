@@ -36,10 +36,14 @@ class ThreadGovernor:
         probe_steps: int = 3,
         margin: float = 0.15,
         slowdown: float = 1.5,
+        applied: Callable[[], int] | None = None,
     ):
         self.candidates = sorted({max_threads, max(1, max_threads // 2), 1}, reverse=True)
         self.current = max_threads
         self._set = set_threads
+        self._applied = (
+            applied  # the count in force now, where others may set it too (several engines, one thread)
+        )
         self._active: int | None = None
         self._min_period, self._max_period, self._period = period, max_period, period
         self._probe_steps, self._margin, self._slowdown = probe_steps, margin, slowdown
@@ -55,7 +59,7 @@ class ThreadGovernor:
         """The thread count for the next step (applied); a probe's count when one is under way for this key."""
         probing = bool(self._plan) and key is not None and key == self._probe_key
         n = self._plan[0] if probing else self.current
-        if n != self._active:
+        if n != (self._applied() if self._applied is not None else self._active):
             self._set(n)
             self._active = n
         return n
