@@ -1,7 +1,8 @@
-"""Runs the engine on its own thread so the HTTP event loop never waits on a forward pass, and supervises it.
+"""Runs the engines on a thread of their own (one for all of a process's models) so the HTTP event loop never waits
+on a forward pass, and supervises them.
 
 Each command and each request is isolated: one that fails ends its own request with an error event. A step that
-raises fails its sequences and the loop goes on. If the thread itself ever ends, every open request gets an
+raises fails its sequences and the loop goes on. If an engine ever ends, every open request of it gets an
 `unavailable` error, `healthy()` turns False, and new requests fail at once instead of waiting forever.
 """
 
