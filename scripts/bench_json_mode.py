@@ -2,7 +2,7 @@
 and tool-call requests, single stream and concurrent, on a quiet CPU and with other processes keeping cores busy.
 
 Usage: .venv/bin/python scripts/bench_json_mode.py [--concurrency 16] [--tokens 96] [--runs 3] [--busy 1]
-       [--threads N] [--llamacpp] [--cache-dir DIR] [--env KEY=VALUE ...]
+       [--threads N] [--speculative none] [--llamacpp] [--cache-dir DIR] [--env KEY=VALUE ...]
 
 One server (waferscale serve, the built-in model) runs the whole table: first the quiet rows, then the same rows
 while `--busy` processes spin (`while True: pass`), so the busy rows come after constrained requests. Each row is the
@@ -64,7 +64,11 @@ MODES = {
         }
     },
     "tool call": {"tools": [TOOL], "tool_choice": "required"},
+    # the tool call's unconstrained twin: the same prompt (the tool's schema rendered into it: 301 tokens against
+    # 44), so the tool call's ratio measures its grammar, not its longer context's attention
+    "plain with tools": {"tools": [TOOL], "tool_choice": "none"},
 }
+BASELINE = {"tool call": "plain with tools"}  # what a mode's rate is compared with (else plain)
 
 
 def spin() -> None:
@@ -96,24 +100,25 @@ async def batch_rate(url: str, body: dict, concurrency: int) -> tuple[float, int
 
 def measure(url: str, mode: str, concurrency: int, args) -> tuple[float, int]:
     body = {"model": MODEL, "messages": ASK, "max_tokens": args.tokens, "temperature": 0, **MODES[mode]}
-    if mode == "plain":  # exactly --tokens tokens
+    if mode.startswith("plain"):  # exactly --tokens tokens
         body.update({"ignore_eos": True} if args.llama else {"min_tokens": args.tokens})
     rates = [asyncio.run(batch_rate(url, body, concurrency)) for _ in range(args.runs)]
     return statistics.median(r for r, _ in rates), rates[0][1]
 
 
-def table(url: str, modes: list[str], args, label: str, busy: int) -> list[tuple[str, float, int]]:
+def table(url: str, modes: list[str], args, label: str, busy: int) -> list[tuple[tuple, float]]:
+    """((server, mode, concurrency, busy cores), tokens/s) for each mode at c=1 and c=--concurrency."""
     rows = []
     for concurrency in (1, args.concurrency):
         for mode in modes:
             rate, tokens = measure(url, mode, concurrency, args)
             name = f"{label}, {mode}, c={concurrency}" + (f", {busy} core(s) busy" if busy else "")
             print(f"  {name}: {rate:.1f} tok/s ({tokens} tokens a request)", file=sys.stderr)
-            rows.append((name, rate, tokens))
+            rows.append(((label, mode, concurrency, busy), rate))
     return rows
 
 
-def run(argv: list[str], label: str, modes: list[str], args, log: Path) -> list[tuple[str, float, int]]:
+def run(argv: list[str], label: str, modes: list[str], args, log: Path) -> list[tuple[tuple, float]]:
     env = dict(kv.split("=", 1) for kv in args.env)
     args.llama = label == "llama-server"
     with served(argv, log, label, env=env) as (url, _):
@@ -123,6 +128,8 @@ def run(argv: list[str], label: str, modes: list[str], args, log: Path) -> list[
                 url + "/v1/chat/completions", json={**body, **MODES[mode]}, timeout=600
             ).raise_for_status()
         rows = table(url, modes, args, label, 0)
+        if not args.busy:
+            return rows
         spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]
         for p in spinners:
             p.start()
@@ -143,6 +150,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--busy", type=int, default=1, help="busy-loop processes for the shared-CPU rows")
     ap.add_argument("--threads", type=int, help="waferscale serve --threads")
+    ap.add_argument(
+        "--speculative",
+        help="waferscale serve --speculative (none: each mode's rate without its drafts' acceptance)",
+    )
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE", help="environment of the server")
     ap.add_argument("--llamacpp", action="store_true", help="also llama-server (plain rows), same load")
@@ -154,6 +165,7 @@ def main() -> None:
 
     argv = [str(Path(sys.executable).parent / "waferscale"), "serve"]
     argv += ["--threads", str(args.threads)] if args.threads else []
+    argv += ["--speculative", args.speculative] if args.speculative else []
     rows = run(argv, "waferscale", modes, args, args.log_dir / "bench_json_mode-waferscale.log")
     if args.llamacpp:
         sys.path.insert(0, str(Path(__file__).parent))
@@ -165,19 +177,16 @@ def main() -> None:
         args.env = []
         rows += run(llama, "llama-server", ["plain"], args, args.log_dir / "bench_json_mode-llama.log")
 
-    base = {  # (server, c=N) -> its plain quiet rate
-        (name.split(", ")[0], name.split(", ")[2]): rate
-        for name, rate, _ in rows
-        if ", plain," in name and "busy" not in name
-    }
+    quiet = {(server, mode, c): rate for (server, mode, c, busy), rate in rows if not busy}
     print(
-        f"| request ({args.tokens} tokens max, greedy, median of {args.runs}) | decode tok/s | vs plain, quiet |"
+        f"| request ({args.tokens} tokens max, greedy, median of {args.runs}) | decode tok/s "
+        "| vs plain (tool call: plain with the tools in its prompt), quiet |"
     )
     print("|---|---|---|")
-    for name, rate, _ in rows:
-        parts = name.split(", ")
-        quiet = base.get((parts[0], parts[2]))
-        print(f"| {name} | {rate:.1f} | {rate / quiet:.2f}x |" if quiet else f"| {name} | {rate:.1f} | |")
+    for (server, mode, c, busy), rate in rows:
+        name = f"{server}, {mode}, c={c}" + (f", {busy} core(s) busy" if busy else "")
+        base = quiet.get((server, BASELINE.get(mode, "plain"), c))
+        print(f"| {name} | {rate:.1f} | {rate / base:.2f}x |" if base else f"| {name} | {rate:.1f} | |")
 
 
 if __name__ == "__main__":
