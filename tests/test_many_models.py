@@ -70,7 +70,9 @@ def test_each_name_is_answered_by_its_own_model_loaded_on_demand(fleet, sdk):
         t.join(timeout=120)
     assert len(cold) == 2 and cold[0] == cold[1]
     assert fingerprint(sdk, "tiny") == cold[0]  # an alias picks the same engine
-    assert fingerprint(sdk, "gemma") != cold[0]  # each model's weights and tokenizer stamp its own fingerprint
+    assert (
+        fingerprint(sdk, "gemma") != cold[0]
+    )  # each model's weights and tokenizer stamp its own fingerprint
     state = health(fleet)
     assert (state["small"]["loads"], state["small"]["unloads"], state["small"]["state"]) == (1, 1, "unloaded")
     assert (state["gemma"]["loads"], state["gemma"]["state"]) == (1, "loaded")
@@ -115,7 +117,12 @@ def test_a_model_that_cannot_load_answers_with_its_error_while_the_others_serve(
 def test_budget_unloads_the_idle_model_after_its_stream_completes(fleet, sdk):
     fingerprint(sdk, "gemma")  # loaded; the budget has no room for small beside it
     stream = sdk.chat.completions.create(
-        model="gemma", messages=PROMPT, max_tokens=16, temperature=0, stream=True, extra_body={"min_tokens": 16}
+        model="gemma",
+        messages=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        extra_body={"min_tokens": 16},
     )
     first = next(stream)  # gemma is serving this stream when small is asked for
     other: dict = {}
@@ -124,7 +131,9 @@ def test_budget_unloads_the_idle_model_after_its_stream_completes(fleet, sdk):
     chunks = [first, *stream]
     asking.join(timeout=120)
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 12
-    assert chunks[-1].choices[0].finish_reason == "length"  # the stream ran to its end, then gemma was unloaded
+    assert (
+        chunks[-1].choices[0].finish_reason == "length"
+    )  # the stream ran to its end, then gemma was unloaded
     assert other["fp"]  # and small, loaded again in its place, answered
     state = health(fleet)
     assert (state["gemma"]["state"], state["gemma"]["unloads"]) == ("unloaded", 1)
@@ -132,7 +141,9 @@ def test_budget_unloads_the_idle_model_after_its_stream_completes(fleet, sdk):
 
 
 def test_tokenize_uses_the_requested_models_tokenizer(fleet):
-    body = httpx.post(fleet.url + "/v1/tokenize", json={"model": "tiny", "prompt": "Hello"}, timeout=120).json()
+    body = httpx.post(
+        fleet.url + "/v1/tokenize", json={"model": "tiny", "prompt": "Hello"}, timeout=120
+    ).json()
     assert body["max_model_len"] == 8192  # SmolLM2's context (Gemma 3 270M's is 32768)
     assert body["count"] == len(body["tokens"]) > 0
 
@@ -164,11 +175,45 @@ def test_models_file_options_override_the_command_line_defaults(tmp_path):
     from waferscale.engine.settings import EngineSettings
 
     path = tmp_path / "models.toml"
-    path.write_text('[[model]]\nname = "a"\npath = "gemma-3-270m"\nkv-cache-memory = "64MiB"\npinned = true\n')
+    path.write_text(
+        '[[model]]\nname = "a"\npath = "gemma-3-270m"\nkv-cache-memory = "64MiB"\npinned = true\n'
+    )
     (spec,) = read_models_file(path, EngineSettings(dtype="float32", max_num_seqs=7))
     assert (spec.name, spec.pinned, spec.settings.model) == ("a", True, "gemma-3-270m")
     assert spec.settings.kv_cache_memory == 64 << 20
     assert (spec.settings.dtype, spec.settings.max_num_seqs) == ("float32", 7)
+
+
+def test_models_file_gives_a_model_its_own_draft_and_kv_cache_dtype(tmp_path):
+    from waferscale.api.models_file import read_models_file
+    from waferscale.engine.settings import EngineSettings
+
+    (tmp_path / "drafts").mkdir()
+    path = tmp_path / "models.toml"
+    path.write_text(
+        '[[model]]\nname = "a"\npath = "gemma-3-270m"\ndraft-model = "self:int4"\ndraft_kv_cache_memory = "32MiB"\n'
+        'kv_cache_dtype = "int8"\n\n[[model]]\nname = "b"\npath = "smollm2-135m-instruct"\n'
+        'draft_model = "drafts/small.gguf"\n\n[[model]]\nname = "c"\npath = "smollm2-135m-instruct"\n'
+    )
+    a, b, c = read_models_file(path, EngineSettings())
+    assert (a.settings.speculative, a.settings.draft_model) == ("draft", "self:int4")  # as --draft-model does
+    assert (a.settings.draft_kv_cache_memory, a.settings.kv_cache_dtype) == (32 << 20, "int8")
+    assert b.settings.draft_model == str(tmp_path / "drafts" / "small.gguf")  # read from the file's folder
+    assert (c.settings.speculative, c.settings.draft_model) == ("ngram", None)
+
+
+def test_models_file_draft_with_speculation_off_is_refused_with_its_line(tmp_path):
+    from waferscale.api.models_file import ModelsFileError, read_models_file
+    from waferscale.engine.settings import EngineSettings
+
+    path = tmp_path / "models.toml"
+    path.write_text(
+        '[[model]]\nname = "a"\npath = "gemma-3-270m"\ndraft_model = "self:int8"\nspeculative = "none"\n'
+    )
+    with pytest.raises(
+        ModelsFileError, match=r"models.toml:1: model 'a': a draft-model is given but speculative"
+    ):
+        read_models_file(path, EngineSettings())
 
 
 def test_serve_refuses_a_bad_models_file_at_start_with_its_line(tmp_path):
@@ -178,7 +223,9 @@ def test_serve_refuses_a_bad_models_file_at_start_with_its_line(tmp_path):
     path = tmp_path / "models.toml"
     path.write_text('[[model]]\nname = "a"\npath = "gemma-3-270m"\nmax_num_seqs = "many"\n')
     out = subprocess.run(
-        [sys.executable, "-m", "waferscale", "serve", "--models", str(path)], capture_output=True, text=True,
+        [sys.executable, "-m", "waferscale", "serve", "--models", str(path)],
+        capture_output=True,
+        text=True,
         timeout=60,
     )
     assert out.returncode == 2
@@ -200,13 +247,17 @@ def test_pinned_model_loads_at_start_and_shutdown_drains_every_model(tmp_path):
             assert time.time() < deadline and state in ("unloaded", "loading")
             time.sleep(0.2)
         body = {"prompt": "Hello", "max_tokens": 2, "min_tokens": 2}
-        assert httpx.post(server.url + "/v1/completions", json={**body, "model": "gemma"}, timeout=120).is_success
+        assert httpx.post(
+            server.url + "/v1/completions", json={**body, "model": "gemma"}, timeout=120
+        ).is_success
         out: dict = {}
 
         def ask(model: str, tokens: int) -> threading.Thread:
             req = {**body, "model": model, "max_tokens": tokens, "min_tokens": tokens}
             t = threading.Thread(
-                target=lambda: out.update({model: httpx.post(server.url + "/v1/completions", json=req, timeout=60)})
+                target=lambda: out.update(
+                    {model: httpx.post(server.url + "/v1/completions", json=req, timeout=60)}
+                )
             )
             t.start()
             return t

@@ -29,11 +29,14 @@ OPTIONS: dict[str, str | None] = {
     "quantization": "quantization",
     "max_model_len": "max_model_len",
     "kv_cache_memory": "kv_cache_memory",
+    "kv_cache_dtype": "kv_cache_dtype",
     "max_num_seqs": "max_num_seqs",
     "max_num_batched_tokens": "max_num_batched_tokens",
     "prefix_cache": "enable_prefix_cache",
     "speculative": "speculative",
     "num_speculative_tokens": "num_speculative_tokens",
+    "draft_model": "draft_model",
+    "draft_kv_cache_memory": "draft_kv_cache_memory",
 }
 TYPES: dict[str, tuple[type, ...]] = {
     "name": (str,),
@@ -44,11 +47,14 @@ TYPES: dict[str, tuple[type, ...]] = {
     "quantization": (str,),
     "max_model_len": (int,),
     "kv_cache_memory": (int, str),
+    "kv_cache_dtype": (str,),
     "max_num_seqs": (int,),
     "max_num_batched_tokens": (int,),
     "prefix_cache": (bool,),
     "speculative": (str,),
     "num_speculative_tokens": (int,),
+    "draft_model": (str,),
+    "draft_kv_cache_memory": (int, str),
 }
 
 
@@ -125,14 +131,17 @@ def _spec(path: Path, text: str, i: int, table: dict, defaults: EngineSettings) 
         field = OPTIONS[key]
         if field is None:
             continue
-        if key == "kv_cache_memory" and isinstance(value, str):
+        if key in ("kv_cache_memory", "draft_kv_cache_memory") and isinstance(value, str):
             value = size_bytes(value)
             if value is None:
-                raise fail(key, f"kv_cache_memory = {table[key]!r} is not a size (examples: 256MiB, 2GiB)")
-        if key == "path":  # relative to the file's folder, unless a built-in name
+                raise fail(key, f"{key} = {table[key]!r} is not a size (examples: 256MiB, 2GiB)")
+        if key in ("path", "draft_model") and not value.startswith("self:"):
+            # relative to the file's folder, unless a built-in name
             where = path.parent / Path(value).expanduser()
             value = value if value in BUILTIN_MODELS and not where.exists() else str(where.resolve())
         changes[field] = value
+    if "draft_model" in table and "speculative" not in table:
+        changes["speculative"] = "draft"  # as --draft-model makes it the default
     try:
         settings = dataclasses.replace(defaults, **changes)
     except SettingsError as exc:
