@@ -41,6 +41,26 @@ def test_drafts_grow_after_full_acceptance_and_pause_after_misses():
     assert state.pause == 3
 
 
+def test_drafts_stop_at_the_first_token_the_grammar_forbids():
+    from types import SimpleNamespace
+
+    from waferscale.engine.drafts import draft_tokens
+
+    class AllowsTwo:  # llguidance's LLMatcher.validate_tokens: how many of the tokens the grammar would commit
+        def validate_tokens(self, tokens: list[int]) -> int:
+            return min(2, len(tokens))
+
+    def seq(matcher):
+        params = SimpleNamespace(prediction=None, max_tokens=100)
+        tokens = [5, 6, 7, 8, 9, 5, 6, 7]  # [5, 6, 7] occurred before, followed by 8, 9, 5, 6, 7
+        return SimpleNamespace(params=params, num_generated=0, token_ids=tokens, ngram=None, draft=None,
+                               matcher=matcher)  # fmt: skip
+
+    config = SpeculativeConfig(method="ngram", max_draft=4)
+    assert draft_tokens(seq(None), 8, 1000, config, True) == [8, 9, 5, 6]
+    assert draft_tokens(seq(AllowsTwo()), 8, 1000, config, True) == [8, 9]
+
+
 def test_an_unknown_method_is_refused():
     with pytest.raises(ValueError, match="unknown speculative method 'medusa'"):
         SpeculativeConfig("medusa")
@@ -82,7 +102,9 @@ def test_a_seeded_sample_is_the_same_text_with_speculation(loaded):
 def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(loaded):
     params = SamplingParams(max_tokens=48, temperature=0, stop=["roads"])
     off, on = _generate(loaded, "none", params)[0], _generate(loaded, "ngram", params)[0]
-    assert on == off and loaded.tokenizer.decode(on).endswith("roads")  # the token reaching the stop is the last
+    assert on == off and loaded.tokenizer.decode(on).endswith(
+        "roads"
+    )  # the token reaching the stop is the last
 
 
 def test_the_server_speculates_by_default_and_reports_it_in_metrics(http):

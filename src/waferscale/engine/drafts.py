@@ -23,7 +23,13 @@ def draft_tokens(
     if not speculate or k <= 0:
         return []
     if speculative.method == "draft":
-        return seq.draft.take(k) if seq.draft is not None else []
-    if seq.ngram is None:
-        seq.ngram = NgramState()
-    return seq.ngram.propose(seq.token_ids, k)
+        drafts = seq.draft.take(k) if seq.draft is not None else []
+    else:
+        if seq.ngram is None:
+            seq.ngram = NgramState()
+        drafts = seq.ngram.propose(seq.token_ids, k)
+    if drafts and seq.matcher is not None:
+        # up to the first draft the grammar forbids: verification would reject it (the masked sample never equals
+        # it), so its row and those after it would only cost compute
+        drafts = drafts[: seq.matcher.validate_tokens(drafts)]
+    return drafts
