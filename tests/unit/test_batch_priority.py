@@ -125,10 +125,17 @@ def test_a_batch_prompt_prefills_in_small_chunks_beside_an_interactive_stream():
     assert live in batch.decodes and _batch_tokens(batch) == BATCH_TOKENS_BESIDE_INTERACTIVE
 
 
-def test_without_interactive_work_a_batch_prompt_prefills_in_whole_chunks():
+def test_without_interactive_work_a_batch_step_stays_short():
+    """An interactive request that arrives waits for the step under way: batch work alone takes BATCH_STEP_TOKENS
+    tokens a step, not the whole budget (an interactive prompt takes the whole budget)."""
+    from waferscale.engine.scheduler import BATCH_STEP_TOKENS
+
     s = sched(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=512)
     s.add(make_seq("long", list(range(300)), max_tokens=4, priority=BATCH_PRIORITY))
-    assert _batch_tokens(step(s)) == 300
+    assert _batch_tokens(step(s)) == BATCH_STEP_TOKENS < 300
+    t = sched(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=512)
+    t.add(make_seq("live", list(range(300)), max_tokens=4))
+    assert sum(n for _, n in step(t).prefills) == 300
 
 
 def test_without_interactive_work_batch_sequences_fill_the_slots():

@@ -28,6 +28,9 @@ BATCH_BESIDE_INTERACTIVE = 4  # batch sequences that may run beside interactive 
 # Tokens of batch work (decode rows and prefill chunk tokens) a step may carry beside interactive work: each row
 # lengthens the step every interactive stream waits on, and a prefill chunk of hundreds of tokens multiplies it.
 BATCH_TOKENS_BESIDE_INTERACTIVE = 2
+# Tokens a step of batch work alone may carry: an interactive request that arrives waits for the step under way,
+# and a step of a whole prefill budget is long; fewer tokens a step cost the batch throughput (docs/batch.md).
+BATCH_STEP_TOKENS = 64
 
 
 @dataclass
@@ -128,17 +131,22 @@ class Scheduler:
         self._yield_to_waiting()
         decoding = [s for s in self.running if not s.finished and s.remaining == 1 and s.num_generated]
         speculate = self.speculative.enabled and len(decoding) <= self.speculative.max_seqs
-        batch_left = BATCH_TOKENS_BESIDE_INTERACTIVE if self._interactive() else budget
+        batch_left = (
+            BATCH_TOKENS_BESIDE_INTERACTIVE if self._interactive() else min(budget, BATCH_STEP_TOKENS)
+        )
 
         def room(seq: Sequence, want: int) -> int:
             """Tokens seq may take of this step: the step's budget, and the batch share for batch work."""
-            return min(want, budget, batch_left) if seq.params.priority >= BATCH_PRIORITY else min(want, budget)
+            return (
+                min(want, budget, batch_left) if seq.params.priority >= BATCH_PRIORITY else min(want, budget)
+            )
 
         def took(seq: Sequence, n: int) -> None:
             nonlocal budget, batch_left
             budget -= n
             if seq.params.priority >= BATCH_PRIORITY:
                 batch_left -= n
+
         # by priority, oldest first among equals: a sequence preempted for room (the lowest priority, the newest)
         # is then never one already scheduled in this step
         for seq in sorted(self.running, key=lambda s: s.params.priority):
@@ -265,7 +273,9 @@ class Scheduler:
     def _fits(self, seq: Sequence) -> bool:
         """Whether the pool could give seq its blocks now."""
         hit = self._hit(seq)
-        return self.blocks.can_allocate(self._admission_pages(seq, hit, self.max_num_batched_tokens), hit.reused)
+        return self.blocks.can_allocate(
+            self._admission_pages(seq, hit, self.max_num_batched_tokens), hit.reused
+        )
 
     def _hit(self, seq: Sequence) -> PrefixHit:
         """The cached prefix seq can start from (none when it wants its prompt's logprobs, which need every row)."""
@@ -275,7 +285,9 @@ class Scheduler:
 
     def _admission_pages(self, seq: Sequence, hit: PrefixHit, budget: int) -> int:
         """New pages seq needs to be admitted from `hit` and run its first chunk (at most `budget` tokens)."""
-        return self.pages.admission_pages(len(seq.token_ids), hit.blocks * self.block_size, hit.tables, budget)
+        return self.pages.admission_pages(
+            len(seq.token_ids), hit.blocks * self.block_size, hit.tables, budget
+        )
 
     def sequence_pages(self, num_tokens: int) -> int:
         return self.pages.sequence_pages(num_tokens)
