@@ -99,7 +99,7 @@ def _batch_tokens(batch) -> int:
 
 
 def test_beside_interactive_work_only_a_few_batch_sequences_run():
-    from waferscale.engine.scheduler import BATCH_BESIDE_INTERACTIVE, BATCH_TOKENS_BESIDE_INTERACTIVE
+    from waferscale.engine.priorities import BATCH_BESIDE_INTERACTIVE, BATCH_TOKENS_BESIDE_INTERACTIVE
 
     s = sched(num_blocks=64, max_num_seqs=16)
     s.add(make_seq("live", [9, 9, 9], max_tokens=20))
@@ -114,7 +114,7 @@ def test_beside_interactive_work_only_a_few_batch_sequences_run():
 
 
 def test_a_batch_prompt_prefills_in_small_chunks_beside_an_interactive_stream():
-    from waferscale.engine.scheduler import BATCH_TOKENS_BESIDE_INTERACTIVE
+    from waferscale.engine.priorities import BATCH_TOKENS_BESIDE_INTERACTIVE
 
     s = sched(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=512)
     live = make_seq("live", [9, 9, 9], max_tokens=20)
@@ -128,7 +128,7 @@ def test_a_batch_prompt_prefills_in_small_chunks_beside_an_interactive_stream():
 def test_without_interactive_work_a_batch_step_stays_short():
     """An interactive request that arrives waits for the step under way: batch work alone takes BATCH_STEP_TOKENS
     tokens a step, not the whole budget (an interactive prompt takes the whole budget)."""
-    from waferscale.engine.scheduler import BATCH_STEP_TOKENS
+    from waferscale.engine.priorities import BATCH_STEP_TOKENS
 
     s = sched(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=512)
     s.add(make_seq("long", list(range(300)), max_tokens=4, priority=BATCH_PRIORITY))
@@ -147,7 +147,7 @@ def test_without_interactive_work_batch_sequences_fill_the_slots():
 
 
 def test_running_batch_work_narrows_when_an_interactive_request_arrives():
-    from waferscale.engine.scheduler import BATCH_BESIDE_INTERACTIVE, BATCH_TOKENS_BESIDE_INTERACTIVE
+    from waferscale.engine.priorities import BATCH_BESIDE_INTERACTIVE, BATCH_TOKENS_BESIDE_INTERACTIVE
 
     s = sched(num_blocks=64, max_num_seqs=16)
     for i in range(10):

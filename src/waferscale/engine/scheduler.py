@@ -21,16 +21,10 @@ from waferscale.engine.drafts import draft_tokens
 from waferscale.engine.errors import ErrorKind, RequestError
 from waferscale.engine.page_plan import PagePlan
 from waferscale.engine.params import BATCH_PRIORITY
+from waferscale.engine.prefix_sharing import PrefixSharing
+from waferscale.engine.priorities import PriorityPolicy
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import SpeculativeConfig
-
-BATCH_BESIDE_INTERACTIVE = 4  # batch sequences that may run beside interactive ones (see _batch_room)
-# Tokens of batch work (decode rows and prefill chunk tokens) a step may carry beside interactive work: each row
-# lengthens the step every interactive stream waits on, and a prefill chunk of hundreds of tokens multiplies it.
-BATCH_TOKENS_BESIDE_INTERACTIVE = 2
-# Tokens a step of batch work alone may carry: an interactive request that arrives waits for the step under way,
-# and a step of a whole prefill budget is long; fewer tokens a step cost the batch throughput (docs/batch.md).
-BATCH_STEP_TOKENS = 64
 
 
 @dataclass
@@ -48,7 +42,7 @@ class ScheduledBatch:
         return self.decodes + [s for s, _ in self.prefills]
 
 
-class Scheduler:
+class Scheduler(PriorityPolicy, PrefixSharing):
     def __init__(
         self,
         blocks: BlockManager,
@@ -131,9 +125,7 @@ class Scheduler:
         self._yield_to_waiting()
         decoding = [s for s in self.running if not s.finished and s.remaining == 1 and s.num_generated]
         speculate = self.speculative.enabled and len(decoding) <= self.speculative.max_seqs
-        batch_left = (
-            BATCH_TOKENS_BESIDE_INTERACTIVE if self._interactive() else min(budget, BATCH_STEP_TOKENS)
-        )
+        batch_left = self._batch_tokens(budget)
 
         def room(seq: Sequence, want: int) -> int:
             """Tokens seq may take of this step: the step's budget, and the batch share for batch work."""
@@ -220,56 +212,6 @@ class Scheduler:
             took(seq, chunk)
         return out
 
-    def _interactive(self) -> bool:
-        """Whether interactive work runs or waits (batch work then yields most of each step to it)."""
-        return any(s.params.priority < BATCH_PRIORITY and not s.finished for s in self.running) or (
-            bool(self.waiting) and self.waiting[0].params.priority < BATCH_PRIORITY
-        )
-
-    def _batch_room(self) -> int:
-        """How many more batch sequences may run now (negative: that many too many): any number while no interactive
-        sequence runs or waits; beside interactive ones, BATCH_BESIDE_INTERACTIVE (the batch keeps going, narrower,
-        and widens again when they are gone), sharing BATCH_TOKENS_BESIDE_INTERACTIVE tokens a step."""
-        if not self._interactive():
-            return self.max_num_seqs
-        return BATCH_BESIDE_INTERACTIVE - sum(1 for s in self.running if s.params.priority >= BATCH_PRIORITY)
-
-    def _victim(self) -> Sequence | None:
-        """The running sequence to preempt first: the lowest priority, the newest among equals."""
-        best, best_key = None, None
-        for i, seq in enumerate(self.running):
-            if seq.finished:
-                continue
-            key = (seq.params.priority, i)
-            if best_key is None or key > best_key:
-                best, best_key = seq, key
-        return best
-
-    def _yield_to_waiting(self) -> None:
-        """While the first waiting sequence cannot be admitted (no slot or not enough blocks) and a running one has
-        a lower priority, preempt that one: batch work gives its slot and blocks to an interactive request."""
-        while self.waiting and self.running:
-            head = self.waiting[0]
-            victim = self._victim()
-            if victim is None or victim.params.priority <= head.params.priority:
-                return
-            if len(self.running) < self.max_num_seqs and self._fits(head):
-                break
-            self._preempt(victim)
-        self._narrow_batch()
-
-    def _narrow_batch(self) -> None:
-        """Beside interactive work, preempt the newest running batch sequences beyond BATCH_BESIDE_INTERACTIVE: every
-        batch row in a step slows each interactive stream's next token. Their full blocks stay in the prefix cache,
-        so resuming them later recomputes little."""
-        excess = -self._batch_room()
-        for seq in reversed(list(self.running)):
-            if excess <= 0:
-                return
-            if seq.params.priority >= BATCH_PRIORITY and not seq.finished:
-                self._preempt(seq)
-                excess -= 1
-
     def _fits(self, seq: Sequence) -> bool:
         """Whether the pool could give seq its blocks now."""
         hit = self._hit(seq)
@@ -328,49 +270,6 @@ class Scheduler:
             seq.block_keys += new
 
     # ------------------------------------------------------------------ admission
-    def _expire_waiting(self, ended: list[Sequence]) -> None:
-        """End the requests that have waited for admission longer than the queue timeout (overloaded, never a hang)."""
-        if self.queue_timeout is None or not self.waiting:
-            return
-        now = time.perf_counter()
-        keep: deque[Sequence] = deque()
-        for seq in self.waiting:
-            batch = seq.params.priority >= BATCH_PRIORITY  # batch work waits within its own 24 h window
-            if not batch and not seq.admitted_once and now - seq.arrival > self.queue_timeout:
-                self.num_timed_out += 1
-                message = (
-                    f"the request waited {now - seq.arrival:.0f} s for a free slot (queue timeout "
-                    f"{self.queue_timeout:g} s); the server is overloaded, retry later"
-                )
-                seq.fail(RequestError(ErrorKind.OVERLOADED, message))
-                ended.append(seq)
-            else:
-                keep.append(seq)
-        self.waiting = keep
-
-    def _prefix_keys_in_flight(self) -> set[bytes]:
-        """Keys of full prompt blocks that running sequences are still prefilling."""
-        if not self.blocks.enable_prefix_cache:
-            return set()
-        return {k for s in self.running for k in s.prompt_keys[len(s.block_keys) :]}
-
-    def _shares_prefix_in_flight(self, seq: Sequence, in_flight: set[bytes]) -> bool:
-        """Whether seq's next uncached prompt block is being computed right now by another sequence (the other
-        choices of an `n`/`best_of` request, or a concurrent request with the same prompt): better to wait a step
-        or two and take it from the cache than to compute it twice."""
-        if not in_flight or seq.params.prompt_logprobs:
-            return False
-        keys = self._prompt_keys(seq)
-        cached = self.blocks.hit(keys, seq.token_ids).blocks
-        return cached < len(keys) and keys[cached] in in_flight
-
-    def _prompt_keys(self, seq: Sequence) -> list[bytes]:
-        """Keys of seq's full blocks before its last token, computed once per token count (a preempted sequence
-        has grown since)."""
-        if seq.prompt_keys is None or len(seq.prompt_keys) != (len(seq.token_ids) - 1) // self.block_size:
-            seq.prompt_keys = self.blocks.block_keys(seq.token_ids[:-1])
-        return seq.prompt_keys
-
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Give a waiting sequence its blocks (reusing cached prefix blocks) for its prompt and first chunk (at most
         `budget` tokens); False if the pool cannot yet.
