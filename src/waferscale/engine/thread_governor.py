@@ -98,13 +98,13 @@ class ThreadGovernor:
         self._since_probe = 0
         if times[best] < (1 - self._margin) * now:
             log.info(
-                "decode steps take %.1f ms on %d thread(s) and %.1f ms on %d: using %d (the CPU is %s)",
+                "decode steps take %.1f ms on %d thread(s) and %.1f ms on %d: using %d (%s)",
                 now * 1e3,
                 self.current,
                 times[best] * 1e3,
                 best,
                 best,
-                "shared" if best < self.current else "free again",
+                "the CPU is shared" if best < self.current else "the CPU is free again",
             )
             self.current = best
             self.switches += 1
