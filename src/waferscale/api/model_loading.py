@@ -65,26 +65,25 @@ def _rss() -> int:
 def estimate_bytes(settings: EngineSettings) -> int:
     """Before a model's first load: its weights' size on disk (a GGUF, or a folder's safetensors; doubled when a
     quantized GGUF is dequantized), plus its KV cache, and its draft model's weights and KV cache where it has one."""
-    on_disk = _disk_bytes(settings.model)
-    if on_disk is None:
+    target = _on_disk(settings.model)
+    if target is None:
         return 0  # it takes nothing: its load fails, with this message
-    total = _loaded_bytes(settings.model, on_disk, settings) + settings.kv_cache_memory
+    total = _loaded_bytes(*target, settings) + settings.kv_cache_memory
     draft = settings.draft_model
     if draft is not None:
-        if draft.startswith(
-            "self:"
-        ):  # the target again: a GGUF's blocks as they are; bf16 weights halved or quartered
-            total += (
-                on_disk if model_is_file(settings.model) else on_disk // (2 if draft == "self:int8" else 4)
-            )
+        on_disk, is_file = target
+        if draft.startswith("self:"):
+            # the target again: a GGUF's blocks as they are; bf16 weights halved or quartered
+            total += on_disk if is_file else on_disk // (2 if draft == "self:int8" else 4)
         else:
-            total += _loaded_bytes(draft, _disk_bytes(draft) or 0, settings)
+            total += _loaded_bytes(*(_on_disk(draft) or (0, False)), settings)
         total += settings.draft_kv_cache_memory or settings.kv_cache_memory // 4
     return total
 
 
-def _disk_bytes(model: str) -> int | None:
-    """A model's weights on disk (a GGUF, or a folder's safetensors); None where the path is not a model."""
+def _on_disk(model: str) -> tuple[int, bool] | None:
+    """(a model's weights on disk: a GGUF, or a folder's safetensors; whether it is one file), None where the
+    path is not a model."""
     from waferscale.models import ModelLoadError, model_source
 
     try:
@@ -92,24 +91,14 @@ def _disk_bytes(model: str) -> int | None:
     except ModelLoadError:
         return None
     files = [src] if src.is_file() else list(Path(src).glob("*.safetensors"))
-    return sum(f.stat().st_size for f in files)
+    return sum(f.stat().st_size for f in files), src.is_file()
 
 
-def _loaded_bytes(model: str, on_disk: int, settings: EngineSettings) -> int:
+def _loaded_bytes(on_disk: int, is_file: bool, settings: EngineSettings) -> int:
     """Weights once loaded: a quantized GGUF dequantized takes 2 (bf16) or 4 (float32) times its blocks."""
-    if model_is_file(model) and (settings.quantization == "none" or settings.dtype == "float32"):
+    if is_file and (settings.quantization == "none" or settings.dtype == "float32"):
         return on_disk * (4 if settings.dtype == "float32" else 2)
     return on_disk
-
-
-def model_is_file(model: str) -> bool:
-    """Whether `model` names a single file (a GGUF, a built-in name's file), not a folder."""
-    from waferscale.models import ModelLoadError, model_source
-
-    try:
-        return model_source(model).is_file()
-    except ModelLoadError:
-        return False
 
 
 def default_memory_budget() -> int:
