@@ -280,3 +280,71 @@ def test_pinned_model_loads_at_start_and_shutdown_drains_every_model(tmp_path):
         assert server.proc.wait(timeout=30) in (0, -signal.SIGTERM)
     finally:
         server.stop()
+
+
+RAY_MODELS_TOML = """
+[[model]]
+name = "small"
+aliases = ["tiny"]
+path = "smollm2-135m-instruct"
+kv_cache_memory = "128MiB"
+max_num_seqs = 8
+
+[[model]]
+name = "gemma"
+path = "gemma-3-270m"
+kv_cache_memory = "128MiB"
+max_num_seqs = 8
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_fleet(tmp_path_factory):
+    """Both models on engine replicas (the `ray` extra): each its own deployment of one replica x 1 thread."""
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]')")
+    path = tmp_path_factory.mktemp("ray-models") / "models.toml"
+    path.write_text(RAY_MODELS_TOML)
+    s = Server("--models", str(path), "--replicas", "1", "--replica-threads", "1", "--speculative", "none")
+    yield s
+    s.stop(timeout=60)  # Serve drains and Ray stops its local cluster
+
+
+@pytest.mark.ray
+def test_under_replicas_each_name_is_answered_by_its_own_models_replicas(ray_fleet):
+    with cerebras_for(ray_fleet.url) as sdk:
+        small = fingerprint(sdk, "small")
+        assert fingerprint(sdk, "tiny") == small
+        assert fingerprint(sdk, "gemma") != small
+    listed = httpx.get(ray_fleet.url + "/v1/models").json()["data"]
+    assert [(m["id"], m["loaded"]) for m in listed] == [("small", True), ("tiny", True), ("gemma", True)]
+    missing = httpx.post(ray_fleet.url + "/v1/chat/completions", json={"model": "nope", "messages": PROMPT})
+    assert missing.status_code == 404 and "small, tiny, gemma" in missing.json()["message"]
+
+
+@pytest.mark.ray
+def test_under_replicas_interleaved_requests_to_both_models_are_all_answered(ray_fleet):
+    replies: list[httpx.Response] = []
+
+    def ask(model: str) -> None:
+        body = {"model": model, "messages": PROMPT, "max_tokens": 8, "temperature": 0}
+        replies.append(httpx.post(ray_fleet.url + "/v1/chat/completions", json=body, timeout=120))
+
+    asking = [threading.Thread(target=ask, args=(("small", "gemma")[i % 2],)) for i in range(16)]
+    for t in asking:
+        t.start()
+    for t in asking:
+        t.join(timeout=180)
+    assert len(replies) == 16 and all(r.status_code == 200 for r in replies)
+    assert sorted(r.json()["model"] for r in replies) == ["gemma"] * 8 + ["small"] * 8
+
+
+@pytest.mark.ray
+def test_under_replicas_metrics_label_each_models_replicas(ray_fleet):
+    with cerebras_for(ray_fleet.url) as sdk:
+        fingerprint(sdk, "gemma")
+    time.sleep(1.5)  # replicas post their stats every 0.5 s; the front reads them as often
+    text = httpx.get(ray_fleet.url + "/metrics").text
+    assert 'waferscale_replicas{model="small"} 1.0' in text and 'waferscale_replicas{model="gemma"} 1.0' in text
+    assert 'waferscale_model_loaded{model="gemma"} 1.0' in text
+    assert text.count('waferscale_replica_kv_cache_usage{model="gemma",replica=') == 1
+    assert 'waferscale_generated_tokens_total{model="gemma"}' in text

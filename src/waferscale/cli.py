@@ -423,13 +423,9 @@ def serve(args) -> None:
         raise SystemExit(2)
     several = args.models is not None or len(args.model_paths) > 1
     if args.replicas is not None:  # engine replicas on Ray Serve; Ray is imported only here
-        if several:
-            print("waferscale: error: --replicas serves one model; drop --models or the extra --model",
-                  file=sys.stderr)
-            raise SystemExit(2)
         from waferscale.scale.launch import serve_on_ray
 
-        return serve_on_ray(args, keys)
+        return serve_on_ray(args, keys, _ray_specs(args) if several else None)
     if several:
         models = _registry(args)
     else:
@@ -494,37 +490,69 @@ def _single_context(args):
     )
 
 
-def _registry(args):
-    """The models of --models FILE or of each --model, on the command line's engine options, loaded on first use
-    (pinned ones at start); exits with one line when the file or an option is wrong."""
+def _model_specs(args) -> list:
+    """The models of --models FILE and of each --model, on the command line's engine options; exits with one line
+    when the file or an option is wrong."""
     from waferscale.api.models_file import ModelsFileError, read_models_file
-    from waferscale.api.models_registry import ModelRegistry, ModelSpec, ServerOptions
+    from waferscale.api.models_registry import ModelSpec
     from waferscale.engine.settings import SettingsError, settings_from_args
     from waferscale.models import ModelLoadError, model_source
     from waferscale.models.source import derive_name
 
-    def fail(message: str):
-        print(f"waferscale: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
     try:
         defaults = settings_from_args(args).replace(model=None)
     except SettingsError as exc:
-        fail(str(exc))
+        _fail(str(exc))
     if args.served_model_name:
-        fail("--served-model-name names one model; with several, give each its aliases in a --models file")
+        _fail("--served-model-name names one model; with several, give each its aliases in a --models file")
     specs: list[ModelSpec] = []
     if args.models is not None:
         try:
             specs = read_models_file(args.models, defaults)
         except ModelsFileError as exc:
-            fail(str(exc))
+            _fail(str(exc))
     for path in args.model_paths:
         try:
             name = derive_name(model_source(path))
         except ModelLoadError as exc:
-            fail(str(exc))
+            _fail(str(exc))
         specs.append(ModelSpec(name, defaults.replace(model=os.path.abspath(path) if os.path.exists(path) else path)))
+    return specs
+
+
+def _fail(message: str):
+    print(f"waferscale: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _ray_specs(args) -> list:
+    """The models engine replicas on Ray Serve serve (each its own deployment, loaded at start on every one of its
+    replicas); exits with one line for what cannot be served that way."""
+    from waferscale.api.models_registry import check_names
+    from waferscale.models import ModelLoadError, model_source
+
+    if args.memory_budget is not None:
+        _fail("--memory-budget loads models on demand in one process; under --replicas every model stays loaded on "
+              "its own replicas: drop --memory-budget (or --replicas)")
+    specs = _model_specs(args)
+    try:
+        check_names(specs)
+    except ValueError as exc:
+        _fail(str(exc))
+    for spec in specs:
+        try:
+            model_source(spec.settings.model)
+        except ModelLoadError as exc:  # its replicas would fail to start again and again
+            _fail(f"model {spec.name!r}: {exc}")
+    return specs
+
+
+def _registry(args):
+    """The models of --models FILE or of each --model (_model_specs), loaded on first use (pinned ones at start)."""
+    from waferscale.api.models_registry import ModelRegistry, ServerOptions
+    from waferscale.models import ModelLoadError, model_source
+
+    specs = _model_specs(args)
     options = ServerOptions(
         log_requests=args.log_requests,
         fault_injection=args.enable_fault_injection,
@@ -534,7 +562,7 @@ def _registry(args):
     try:
         models = ModelRegistry(specs, options, memory_budget=args.memory_budget)
     except ValueError as exc:  # the same name twice (a --model beside the file's)
-        fail(str(exc))
+        _fail(str(exc))
     log = logging.getLogger("waferscale")
     for e in models.entries:
         try:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
 from waferscale.scale.autoscale import decide
-from waferscale.scale.launch import layout
+from waferscale.api.models_registry import ModelSpec
+from waferscale.engine.settings import EngineSettings
+from waferscale.scale.launch import _deployment_names, layout
 
 
 def test_scales_up_on_calls_in_flight_queue_depth_or_kv_use():
@@ -47,10 +51,44 @@ def test_a_layout_needing_more_cpus_than_the_cluster_is_refused(capsys):
         layout(args(replicas="two"), 2)
 
 
-def test_the_single_process_server_never_imports_ray():
-    import subprocess
-    import sys
+def test_each_model_of_several_gets_its_own_replicas_cpus():
+    assert layout(args(replicas="1"), 8, models=2) == (1, 1, 4)
+    assert layout(args(replicas="2"), 8, models=2) == (2, 2, 2)
 
+
+def test_several_models_needing_more_cpus_than_the_cluster_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        layout(args(replicas="2", replica_threads=1), 2, models=2)
+    assert "2 models x 2 replica(s) x 1 thread(s) need 4 CPUs but the Ray cluster has 2" in capsys.readouterr().err
+
+
+def test_each_model_is_its_own_deployment_named_after_it():
+    specs = [ModelSpec(name, EngineSettings()) for name in ("small", "org/model:8b", "org_model_8b")]
+    assert _deployment_names(specs) == ["engine-small", "engine-org_model_8b", "engine-org_model_8b-3"]
+
+
+def _serve(*argv: str, tmp_path) -> subprocess.CompletedProcess:
+    """`waferscale serve ARGV` up to where it exits (refused before Ray or a model is loaded)."""
+    return subprocess.run([sys.executable, "-m", "waferscale", "serve", *argv], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)  # fmt: skip
+
+
+def test_replicas_refuse_a_memory_budget_with_several_models(tmp_path):
+    out = _serve("--model", "smollm2-135m-instruct", "--model", "gemma-3-270m", "--replicas", "1",
+                 "--memory-budget", "1GiB", tmp_path=tmp_path)  # fmt: skip
+    assert out.returncode == 2
+    assert "--memory-budget loads models on demand in one process" in out.stderr
+
+
+def test_replicas_refuse_a_model_that_cannot_be_found_at_start(tmp_path):
+    (tmp_path / "models.toml").write_text('[[model]]\nname = "a"\npath = "smollm2-135m-instruct"\n'
+                                          '[[model]]\nname = "b"\npath = "missing.gguf"\n')  # fmt: skip
+    out = _serve("--models", "models.toml", "--replicas", "1", tmp_path=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.startswith("waferscale: error: model 'b': ") and "missing.gguf" in out.stderr
+
+
+def test_the_single_process_server_never_imports_ray():
     code = (
         "import sys, waferscale.cli, waferscale.api.server, waferscale.scale.launch, waferscale.scale.routing; "
         "waferscale.cli.build_parser().parse_args(['serve']); print('ray' in sys.modules)"

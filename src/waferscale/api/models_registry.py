@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -124,16 +125,7 @@ class ModelRegistry:
         memory_budget: int | None = None,
         build: BuildContext | None = None,
     ):
-        seen: dict[str, str] = {}
-        for spec in specs:
-            for name in spec.names:
-                if name in seen:
-                    raise ValueError(
-                        f"model name {name!r} is given twice"
-                        if seen[name] == spec.name
-                        else f"model name {name!r} is used by both {seen[name]!r} and {spec.name!r}"
-                    )
-                seen[name] = spec.name
+        check_names(specs)
         self.entries = [ModelEntry(spec, cost=estimate_bytes(spec.settings)) for spec in specs]
         self._by_name = {n: e for e in self.entries for n in e.spec.names}
         self.options = options
@@ -142,6 +134,7 @@ class ModelRegistry:
         self._draining = False
         self._lock: asyncio.Lock | None = None
         self.multi = True  # False: one model given as a ServingContext (the single-model server, as before)
+        self.collectors: list = []  # more prometheus collectors for /metrics (per-replica series under Ray)
 
     @classmethod
     def single(cls, ctx: ServingContext) -> ModelRegistry:
@@ -151,6 +144,15 @@ class ModelRegistry:
         entry = registry.entries[0]
         entry.ctx, entry.state, entry.cost = ctx, "loaded", 0
         registry.multi = False
+        return registry
+
+    @classmethod
+    def serving(cls, specs: list[ModelSpec], contexts: list[ServingContext]) -> ModelRegistry:
+        """A registry of several models each already served elsewhere (engine replicas on Ray Serve): all pinned
+        and loaded for the server's life, none counted against a budget."""
+        registry = cls([dataclasses.replace(s, pinned=True) for s in specs], ServerOptions(), memory_budget=0)
+        for entry, ctx in zip(registry.entries, contexts):
+            entry.ctx, entry.state, entry.cost, entry.loads = ctx, "loaded", 0, 1
         return registry
 
     # ------------------------------------------------------------------ names and state
@@ -327,6 +329,20 @@ class ModelRegistry:
             )
             await victim.idle.wait()
             await asyncio.to_thread(_unload, victim)
+
+
+def check_names(specs: list[ModelSpec]) -> None:
+    """Raises ValueError when two models (or a model and an alias) share a name."""
+    seen: dict[str, str] = {}
+    for spec in specs:
+        for name in spec.names:
+            if name in seen:
+                raise ValueError(
+                    f"model name {name!r} is given twice"
+                    if seen[name] == spec.name
+                    else f"model name {name!r} is used by both {seen[name]!r} and {spec.name!r}"
+                )
+            seen[name] = spec.name
 
 
 def _unload(entry: ModelEntry) -> None:

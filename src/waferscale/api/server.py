@@ -122,6 +122,8 @@ def create_app(
     if models.multi:  # every series labelled by model
         registry = make_registry(None, None)
         registry.register(ModelsCollector(models))
+        for collector in models.collectors:
+            registry.register(collector)
     else:
         ctx = models.entries[0].ctx
         registry = make_registry(ctx.engine.stats, lambda: {"rejected_requests": ctx.rejected})

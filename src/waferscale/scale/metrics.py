@@ -16,43 +16,47 @@ def kv_usage(stats: EngineStats) -> float:
 
 
 class ReplicaCollector:
-    """Reads the Ray client's latest per-replica stats at every scrape."""
+    """Reads the Ray clients' latest per-replica stats at every scrape: one model's ({None: client}), or several
+    models' ({name: client}, every series then labelled by model too)."""
 
-    def __init__(self, client):
-        self.client = client
+    def __init__(self, clients: dict):
+        self.clients = clients
 
     def collect(self):
-        replicas = self.client.per_replica()
-        yield GaugeMetricFamily(PREFIX + "replicas", "engine replicas reporting", value=len(replicas))
-        info = GaugeMetricFamily(
-            PREFIX + "replica_info", "an engine replica: its Ray node and process id", labels=["replica", "node", "pid"]
-        )
-        for replica, report in sorted(self.client.replicas.items()):
-            info.add_metric([replica, str(report.get("node", "")), str(report.get("pid", ""))], 1)
-        yield info
-        yield GaugeMetricFamily(
-            PREFIX + "kv_cache_usage", "KV-cache blocks in use, as a fraction of all (all replicas)",
-            value=kv_usage(self.client.stats()),
-        )
-        usage = GaugeMetricFamily(
-            PREFIX + "replica_kv_cache_usage", "KV-cache blocks in use, as a fraction", labels=["replica"]
-        )
-        for replica, stats in sorted(replicas.items()):
-            usage.add_metric([replica], kv_usage(stats))
-        yield usage
+        models = [m for m in self.clients if m is not None]
+        by = ["model"] if models else []
+
+        def key(model) -> list[str]:
+            return [model] if model is not None else []
+
+        def family(kind, name: str, help_text: str, labels: list[str], values):
+            """`values`: (labels, value) pairs."""
+            out = kind(PREFIX + name, help_text, labels=by + labels)
+            for label_values, value in values:
+                out.add_metric(label_values, value)
+            return out
+
+        clients = sorted(self.clients.items(), key=lambda kv: kv[0] or "")
+        per = [(model, client, sorted(client.per_replica().items())) for model, client in clients]
+        yield family(GaugeMetricFamily, "replicas", "engine replicas reporting", [],
+                     [(key(m), len(reps)) for m, _, reps in per])  # fmt: skip
+        yield family(
+            GaugeMetricFamily, "replica_info", "an engine replica: its Ray node and process id",
+            ["replica", "node", "pid"],
+            [(key(m) + [r, str(report.get("node", "")), str(report.get("pid", ""))], 1)
+             for m, client, _ in per for r, report in sorted(client.replicas.items())],
+        )  # fmt: skip
+        yield family(GaugeMetricFamily, "kv_cache_usage", "KV-cache blocks in use, as a fraction of all (all replicas)",
+                     [], [(key(m), kv_usage(client.stats())) for m, client, _ in per])  # fmt: skip
+        yield family(GaugeMetricFamily, "replica_kv_cache_usage", "KV-cache blocks in use, as a fraction", ["replica"],
+                     [(key(m) + [r], kv_usage(stats)) for m, _, reps in per for r, stats in reps])  # fmt: skip
         for kind, names in ((GaugeMetricFamily, EngineStats.GAUGES), (CounterMetricFamily, EngineStats.COUNTERS)):
             for name in names:
-                family = kind(PREFIX + "replica_" + name, HELP[name] + " (per replica)", labels=["replica"])
-                for replica, stats in sorted(replicas.items()):
-                    family.add_metric([replica], getattr(stats, name))
-                yield family
-        yield CounterMetricFamily(
-            PREFIX + "replica_retries",
-            "sequences sent again because their replica died before producing anything",
-            value=self.client.retries,
-        )
-        yield CounterMetricFamily(
-            PREFIX + "replica_failures",
-            "sequences ended with a 503 because their replica died while serving them",
-            value=self.client.replica_failures,
-        )
+                yield family(kind, "replica_" + name, HELP[name] + " (per replica)", ["replica"],
+                             [(key(m) + [r], getattr(stats, name)) for m, _, reps in per for r, stats in reps])  # fmt: skip
+        yield family(CounterMetricFamily, "replica_retries",
+                     "sequences sent again because their replica died before producing anything", [],
+                     [(key(m), client.retries) for m, client, _ in per])  # fmt: skip
+        yield family(CounterMetricFamily, "replica_failures",
+                     "sequences ended with a 503 because their replica died while serving them", [],
+                     [(key(m), client.replica_failures) for m, client, _ in per])  # fmt: skip
