@@ -98,31 +98,52 @@ def _batch_tokens(batch) -> int:
     )
 
 
-def test_beside_interactive_work_only_a_few_batch_sequences_run():
-    from waferscale.engine.priorities import BATCH_BESIDE_INTERACTIVE, BATCH_TOKENS_BESIDE_INTERACTIVE
+def _batch_prefill_rows(batch) -> list:
+    return [q for q, _ in batch.prefills if q.params.priority == BATCH_PRIORITY]
 
-    s = sched(num_blocks=64, max_num_seqs=16)
-    s.add(make_seq("live", [9, 9, 9], max_tokens=20))
+
+def test_beside_interactive_work_batch_work_decodes_a_few_rows_and_prefills_once_in_a_while():
+    from waferscale.engine.priorities import (
+        BATCH_BESIDE_INTERACTIVE,
+        BATCH_PREFILL_EVERY,
+        BATCH_STEP_TOKENS,
+        BATCH_TOKENS_BESIDE_INTERACTIVE,
+    )
+
+    s = sched(num_blocks=256, max_num_seqs=16)
     for i in range(10):
         s.add(make_seq(f"b{i}", [1, 2, i], max_tokens=20, priority=BATCH_PRIORITY))
-    carried = []
-    for _ in range(8):
-        carried.append(_batch_tokens(step(s)))
-        batch = [q for q in s.running if q.params.priority == BATCH_PRIORITY]
-        assert 1 <= len(batch) <= BATCH_BESIDE_INTERACTIVE
-    assert all(0 < n <= BATCH_TOKENS_BESIDE_INTERACTIVE for n in carried)  # the batch moves, in a thin share
+    step(s)
+    s.add(make_seq("live", [9, 9, 9], max_tokens=500))
+    prefill_steps, decoded = [], 0
+    for n in range(1, 2 * BATCH_PREFILL_EVERY + 1):
+        batch = step(s)
+        running = [q for q in s.running if q.params.priority == BATCH_PRIORITY]
+        assert len(running) <= BATCH_BESIDE_INTERACTIVE
+        if _batch_prefill_rows(batch):
+            prefill_steps.append(n)
+            assert _batch_tokens(batch) <= BATCH_STEP_TOKENS
+        else:  # decode rows only: the interactive stream's step stays a step of decodes
+            assert _batch_tokens(batch) <= BATCH_TOKENS_BESIDE_INTERACTIVE
+            decoded += _batch_tokens(batch)
+    assert prefill_steps == [BATCH_PREFILL_EVERY, 2 * BATCH_PREFILL_EVERY]  # the batch moves on, in a thin share
+    assert decoded >= 4 * 19
 
 
-def test_a_batch_prompt_prefills_in_small_chunks_beside_an_interactive_stream():
-    from waferscale.engine.priorities import BATCH_TOKENS_BESIDE_INTERACTIVE
+def test_a_batch_prompt_waits_beside_an_interactive_stream_then_prefills_in_one_step():
+    from waferscale.engine.priorities import BATCH_PREFILL_EVERY, BATCH_STEP_TOKENS
 
     s = sched(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=512)
-    live = make_seq("live", [9, 9, 9], max_tokens=20)
+    live = make_seq("live", [9, 9, 9], max_tokens=200)
     s.add(live)
     step(s)
-    s.add(make_seq("long", list(range(300)), max_tokens=4, priority=BATCH_PRIORITY))
+    s.add(make_seq("long", list(range(40)), max_tokens=4, priority=BATCH_PRIORITY))
+    for _ in range(BATCH_PREFILL_EVERY - 2):
+        batch = step(s)
+        assert live in batch.decodes and not _batch_prefill_rows(batch)
     batch = step(s)
-    assert live in batch.decodes and _batch_tokens(batch) == BATCH_TOKENS_BESIDE_INTERACTIVE
+    assert live in batch.decodes and [n for q, n in batch.prefills if q.request_id == "long"] == [40]
+    assert 40 <= BATCH_STEP_TOKENS
 
 
 def test_without_interactive_work_a_batch_step_stays_short():
@@ -160,6 +181,7 @@ def test_running_batch_work_narrows_when_an_interactive_request_arrives():
     assert live in s.running and len(batch) == BATCH_BESIDE_INTERACTIVE
     assert [q.request_id for q in batch] == ["b0", "b1", "b2", "b3"]  # the oldest keep running
     while not live.finished:
-        assert _batch_tokens(step(s)) <= BATCH_TOKENS_BESIDE_INTERACTIVE
+        batch = step(s)
+        assert _batch_prefill_rows(batch) or _batch_tokens(batch) <= BATCH_TOKENS_BESIDE_INTERACTIVE
     step(s)
     assert not s.waiting  # widened again: every remaining batch sequence runs

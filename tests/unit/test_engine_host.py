@@ -16,6 +16,7 @@ class Work:
         self.left, self.fail = steps, fail
         self.threads: set[int] = set()
         self.waiting: list = []
+        self.interactive_arrived = threading.Event()
 
     def has_work(self) -> bool:
         return self.left > 0

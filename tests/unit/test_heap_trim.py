@@ -16,6 +16,7 @@ class EndlessWork:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.waiting: list = []
+        self.interactive_arrived = threading.Event()
 
     def has_work(self) -> bool:
         return not self.release.is_set()

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from waferscale.scale.autoscale import decide
 from waferscale.api.models_registry import ModelSpec
 from waferscale.engine.settings import EngineSettings
+from waferscale.scale.autoscale import decide
 from waferscale.scale.launch import _deployment_names, layout
 
 

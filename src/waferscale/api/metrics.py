@@ -24,6 +24,7 @@ HELP = {
     "preemptions": "sequences preempted to free KV-cache blocks (recomputed later)",
     "queue_timeouts": "requests that waited past the queue timeout",
     "failed_steps": "engine steps that raised (their sequences failed with an internal error)",
+    "interrupted_steps": "steps of batch work stopped between layers for an interactive request (run again)",
     "speculative_draft_tokens": "tokens proposed by the server's n-gram speculation (--speculative)",
     "speculative_accepted_tokens": "speculative tokens the model confirmed (emitted without a forward of their own)",
     "rejected_requests": "requests turned away with 429 because the waiting queue was full",

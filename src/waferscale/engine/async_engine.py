@@ -19,7 +19,7 @@ from waferscale.engine.errors import ErrorKind, RequestError, internal_error
 from waferscale.engine.llm_engine import LLMEngine
 from waferscale.engine.metrics import EngineStats
 from waferscale.engine.outputs import GenerationEvent
-from waferscale.engine.params import SamplingParams
+from waferscale.engine.params import BATCH_PRIORITY, SamplingParams
 from waferscale.heap import trim_heap
 
 log = logging.getLogger("waferscale.engine")
@@ -130,6 +130,8 @@ class AsyncEngine:
             if dead is None:
                 self._streams[request_id] = (asyncio.get_running_loop(), queue)
                 self._commands.append(("add", request_id, prompt_ids, params))
+                if params.priority < BATCH_PRIORITY:  # a step of batch work alone stops for it
+                    self.engine.interactive_arrived.set()
                 self._cv.notify_all()
         if dead is not None:
             yield GenerationEvent(request_id, finished=True, error=dead)
@@ -186,6 +188,7 @@ class AsyncEngine:
                 stopped = True
             else:
                 stopped, (commands, self._commands) = False, (self._commands, [])
+                self.engine.interactive_arrived.clear()  # what arrived until now is in `commands`
         if stopped:
             self._end(RequestError(ErrorKind.SHUTTING_DOWN, "the server is shutting down"))
             return False

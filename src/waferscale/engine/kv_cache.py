@@ -3,6 +3,7 @@ forward's reads and writes."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from math import gcd
 
@@ -173,6 +174,10 @@ class KVGroup:
     cache: dict = field(default_factory=dict)
 
 
+class StepInterrupted(Exception):
+    """A forward of batch work stopped between layers for an interactive request that arrived meanwhile."""
+
+
 @dataclass
 class PagedBatch:
     """One forward's attention plan, pure data (the model's attention layers read it). The first `num_decode` rows
@@ -189,6 +194,7 @@ class PagedBatch:
     native: object | None = None  # waferscale.kernels.NativeKernels: decode rows read the pool in place
     prefills: list[tuple] = field(default_factory=list)
     groups: list[KVGroup] | None = None
+    interrupt: threading.Event | None = None  # set: the forward stops at the next layer (batch work only)
 
     def __post_init__(self) -> None:
         if self.groups is None:
@@ -200,6 +206,13 @@ class PagedBatch:
         """A layer's group plan and its caches."""
         group, index = self.pool.place[layer]
         return self.groups[group], self.pool.layer_kv(index)
+
+    def check_interrupt(self) -> None:
+        """Between layers: raises StepInterrupted once `interrupt` is set. Nothing is committed until the forward
+        ends (the engine advances no sequence), and the KV rows written so far are written again, the same, when
+        the step is run again."""
+        if self.interrupt is not None and self.interrupt.is_set():
+            raise StepInterrupted
 
     def can_fuse_decode(self, rows: int, head_dim: int) -> bool:
         """Whether this forward is decodes only, so that a layer's rope, KV write and attention can be one call."""

@@ -7,6 +7,7 @@ the OutputProcessor, which samples and builds the events. Sequences join and lea
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -19,12 +20,12 @@ from waferscale.engine.draft_model import DRAFT_KV_FRACTION, DraftModel, check_s
 from waferscale.engine.errors import ErrorKind, RequestError, internal_error
 from waferscale.engine.faults import FaultHooks
 from waferscale.engine.grammar import GrammarError, GrammarMasks
-from waferscale.engine.kv_cache import KVLayout, KVPool
+from waferscale.engine.kv_cache import KVLayout, KVPool, StepInterrupted
 from waferscale.engine.metrics import EngineStats
 from waferscale.engine.model_runner import ModelRunner
 from waferscale.engine.output_processor import OutputProcessor
 from waferscale.engine.outputs import GenerationEvent
-from waferscale.engine.params import SamplingParams
+from waferscale.engine.params import BATCH_PRIORITY, SamplingParams
 from waferscale.engine.scheduler import ScheduledBatch, Scheduler
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import SpeculativeConfig
@@ -134,6 +135,10 @@ class LLMEngine:
             speculative.max_draft,
         )
         self.failed_steps = 0
+        # set (by AsyncEngine) when an interactive request arrives: a step of batch work alone stops between layers
+        # and the next step takes the request in, rather than making it wait out the whole step
+        self.interactive_arrived = threading.Event()
+        self.interrupted_steps = 0
         self._early_events: list[GenerationEvent] = []  # requests that ended before reaching the scheduler
 
     @property
@@ -232,6 +237,7 @@ class LLMEngine:
             preemptions=s.num_preemptions,
             queue_timeouts=s.num_timed_out,
             failed_steps=self.failed_steps,
+            interrupted_steps=self.interrupted_steps,
             speculative_draft_tokens=o.speculative_drafts,
             speculative_accepted_tokens=o.speculative_accepted,
             ttft=o.ttft.snapshot(),
@@ -261,8 +267,12 @@ class LLMEngine:
                 )  # decode steps, by batch size
                 threads = self.threads.threads_for(key)
                 start = time.perf_counter()
-                events += self._run(batch)
-                self.threads.record(key, threads, time.perf_counter() - start)
+                ran = self._run(batch, self.interactive_arrived if self._interruptible(batch) else None)
+                if ran is None:  # interrupted: run again (or not) by the next step's plan
+                    self.interrupted_steps += 1
+                else:
+                    events += ran
+                    self.threads.record(key, threads, time.perf_counter() - start)
         except Exception as exc:
             log.exception("engine step failed")
             self.failed_steps += 1
@@ -274,8 +284,13 @@ class LLMEngine:
         return events
 
     # ------------------------------------------------------------------ internals
-    def _run(self, batch: ScheduledBatch) -> list[GenerationEvent]:
-        out = self.runner.forward(batch)
+    def _run(self, batch: ScheduledBatch, interrupt: threading.Event | None = None) -> list[GenerationEvent] | None:
+        """The step's forward, sampling and verification; None when `interrupt` stopped the forward (nothing is
+        committed: every sequence is where it was)."""
+        try:
+            out = self.runner.forward(batch, interrupt)
+        except StepInterrupted:
+            return None
         self.scheduler.computed(batch)
         for seq, first, pos, count in out.score_rows:
             self.output.score_prompt(seq, out.hidden[first : first + count], pos)
@@ -287,6 +302,11 @@ class LLMEngine:
             events += self.output.verify(seq, self.runner.logits(out.hidden[first : first + count]))
             self.scheduler.settle_drafts(seq)
         return events
+
+    def _interruptible(self, batch: ScheduledBatch) -> bool:
+        """Whether an interactive arrival may stop this step: batch work only, and no drafts to verify (the draft
+        model's state and the scheduler's drafts move on with the step)."""
+        return self.drafter is None and all(s.params.priority >= BATCH_PRIORITY and not s.drafts for s in batch.seqs)
 
     def _draft(self) -> None:
         """The draft model's proposals for this step; should it fail, the step goes on without drafts (the draft

@@ -52,6 +52,7 @@ class EngineStats:
     preemptions: int = 0
     queue_timeouts: int = 0
     failed_steps: int = 0
+    interrupted_steps: int = 0  # steps of batch work stopped between layers for an interactive arrival
     speculative_draft_tokens: int = 0  # tokens the server's own speculation proposed (not a client's prediction)
     speculative_accepted_tokens: int = 0  # and how many of them the model confirmed
     ttft: HistogramSnapshot | None = None  # arrival to first token
@@ -69,6 +70,7 @@ class EngineStats:
         "preemptions",
         "queue_timeouts",
         "failed_steps",
+        "interrupted_steps",
         "speculative_draft_tokens",
         "speculative_accepted_tokens",
     )

@@ -3,6 +3,7 @@ forward, and hands back the hidden rows whose logits are needed."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +42,7 @@ class ModelRunner:
         """The pages of group r of these blocks (a block of a one-page kind is its page)."""
         return blocks if r == 0 else self.page_map[blocks, r]
 
-    def forward(self, batch: ScheduledBatch) -> ForwardOutput:
+    def forward(self, batch: ScheduledBatch, interrupt: threading.Event | None = None) -> ForwardOutput:
         """One forward over every scheduled token: decode rows first, then each prefill chunk.
 
         A sequence verifying the drafts of its predicted output runs as decode rows too, one per position (its last
@@ -78,7 +79,9 @@ class ModelRunner:
             row += chunk
         kind_plans = [self._kind_plan(k, rows, chunks) for k in range(len(self.kinds))]
         groups = [self._group(kind_plans[k], r, torch.tensor(positions)) for k, r in self.groups]
-        paged = PagedBatch(self.pool, num_decode=len(rows), native=self.native if rows else None, groups=groups)
+        paged = PagedBatch(
+            self.pool, num_decode=len(rows), native=self.native if rows else None, groups=groups, interrupt=interrupt
+        )
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), paged)
         return ForwardOutput(hidden, sample_rows, score_rows, draft_rows)
 

@@ -12,9 +12,13 @@ from waferscale.engine.params import BATCH_PRIORITY
 from waferscale.engine.sequence import Sequence
 
 BATCH_BESIDE_INTERACTIVE = 4  # batch sequences that may run beside interactive ones (see _batch_room)
-# Tokens of batch work (decode rows and prefill chunk tokens) a step may carry beside interactive work: each row
-# lengthens the step every interactive stream waits on, and a prefill chunk of hundreds of tokens multiplies it.
+# Decode rows of batch work a step may carry beside interactive work: each row lengthens the step every interactive
+# stream waits on. Only decode rows: one prefill row makes a step of decodes lose its fused whole-layer calls.
 BATCH_TOKENS_BESIDE_INTERACTIVE = 2
+# Beside interactive work, batch work prefills (and new batch sequences are admitted) in one step of this many,
+# taking up to BATCH_STEP_TOKENS then: the batch moves on under endless interactive traffic, at one slow step in so
+# many rather than a slower every step.
+BATCH_PREFILL_EVERY = 64
 # Tokens a step of batch work alone may carry: an interactive request that arrives waits for the step under way,
 # and a step of a whole prefill budget is long; fewer tokens a step cost the batch throughput (docs/batch.md).
 BATCH_STEP_TOKENS = 64
@@ -30,9 +34,17 @@ class PriorityPolicy:
     queue_timeout: float | None
     num_timed_out: int
 
-    def _batch_tokens(self, budget: int) -> int:
-        """Tokens of this step that batch work may take."""
-        return BATCH_TOKENS_BESIDE_INTERACTIVE if self._interactive() else min(budget, BATCH_STEP_TOKENS)
+    _steps_beside = 0  # steps beside interactive work since batch work last could prefill
+
+    def _batch_share(self, budget: int) -> tuple[int, bool]:
+        """(Tokens of this step batch work may take, whether it may prefill and be admitted.)"""
+        if not self._interactive():
+            return min(budget, BATCH_STEP_TOKENS), True
+        self._steps_beside += 1
+        if self._steps_beside >= BATCH_PREFILL_EVERY:
+            self._steps_beside = 0
+            return min(budget, BATCH_STEP_TOKENS), True
+        return BATCH_TOKENS_BESIDE_INTERACTIVE, False
 
     def _interactive(self) -> bool:
         """Whether interactive work runs or waits (batch work then yields most of each step to it)."""

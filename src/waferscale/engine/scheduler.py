@@ -125,7 +125,7 @@ class Scheduler(PriorityPolicy, PrefixSharing):
         self._yield_to_waiting()
         decoding = [s for s in self.running if not s.finished and s.remaining == 1 and s.num_generated]
         speculate = self.speculative.enabled and len(decoding) <= self.speculative.max_seqs
-        batch_left = self._batch_tokens(budget)
+        batch_left, batch_prefills = self._batch_share(budget)
 
         def room(seq: Sequence, want: int) -> int:
             """Tokens seq may take of this step: the step's budget, and the batch share for batch work."""
@@ -167,6 +167,8 @@ class Scheduler(PriorityPolicy, PrefixSharing):
             if seq.params.priority > head:
                 later.append(seq)
                 continue
+            if seq.params.priority >= BATCH_PRIORITY and not batch_prefills:
+                continue
             chunk = room(seq, seq.remaining)
             if chunk <= 0 or seq not in self.running:
                 continue
@@ -182,7 +184,7 @@ class Scheduler(PriorityPolicy, PrefixSharing):
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.params.priority >= BATCH_PRIORITY:
-                if batch_room <= 0 or room(seq, 1) <= 0:
+                if batch_room <= 0 or room(seq, 1) <= 0 or not batch_prefills:
                     break  # the queue is ordered: only batch work is left, and it waits
                 batch_room -= 1
             if self._shares_prefix_in_flight(seq, in_flight):
@@ -203,7 +205,7 @@ class Scheduler(PriorityPolicy, PrefixSharing):
         self.waiting.extendleft(reversed(deferred))
         for seq in later:
             chunk = room(seq, seq.remaining)
-            if chunk <= 0 or seq not in self.running:
+            if chunk <= 0 or seq not in self.running or (seq.params.priority >= BATCH_PRIORITY and not batch_prefills):
                 continue
             if not self._ensure_blocks(seq, seq.num_computed + chunk, taken):
                 continue

@@ -69,9 +69,11 @@ class CausalLM(nn.Module):
             and kv.can_fuse_decode(h.shape[0], self.cfg.head_dim)
         ):  # decode rows only: each layer is one native call, in place on h (the modules' kernels, bit for bit)
             for i, weights in enumerate(self.decode_layers):
+                kv.check_interrupt()
                 self.layers[i].decode_native(kv, i, h, ropes[i], weights)
             return self.norm(h)
         for i, layer in enumerate(self.layers):
+            kv.check_interrupt()
             h = layer(h, ropes[i], kv, i)
         return self.norm(h)
 
