@@ -162,6 +162,47 @@ def test_argmax_logsumexp_keeps_torchs_special_values():
     torch.testing.assert_close(lse, torch.logsumexp(rows, -1, keepdim=True), equal_nan=True)
 
 
+@needs_native
+def test_argmax_logsumexp_of_a_grammar_masked_row_matches_torch():
+    """Rows mostly -inf (a grammar mask applied): the same logsumexp (the clamp keeps expf off its slow path)."""
+    torch.manual_seed(0)
+    logits = (torch.randn(4, 49152) * 8).masked_fill(torch.rand(4, 49152) < 0.9, float("-inf"))
+    idx, lse = native.argmax_logsumexp(logits)
+    assert idx == torch.argmax(logits, -1).tolist()
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1, keepdim=True), atol=0, rtol=2e-6)
+
+
+def _unpacked(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(bits.shape[0], -1)[:, :vocab]
+
+
+@needs_native
+@pytest.mark.parametrize("vocab", [49152, 49155])  # a last word only partly in the vocabulary
+def test_masked_argmax_is_torchs_argmax_over_the_allowed_tokens(vocab):
+    torch.manual_seed(1)
+    words = (vocab + 31) // 32
+    logits = torch.randn(6, vocab) * 8
+    bits = torch.randint(-(2**31), 2**31 - 1, (6, words), dtype=torch.int32)  # mixed words
+    bits[1] = -1  # everything allowed: whole words
+    bits[2] = 0
+    bits[2, 7] = 0b1001  # two tokens
+    bits[3] = 0
+    bits[3, -1] = -1  # the last word only: bits past the vocabulary are ignored
+    logits[4, 64] = logits[4, 96] = logits[4].max() + 1  # a tie goes to the lowest id
+    bits[4, 2] = bits[4, 3] = -1
+    logits[5] = float("-inf")  # allowed tokens, all at -inf
+    want = torch.argmax(logits.masked_fill(~_unpacked(bits, vocab), float("-inf")), -1).tolist()
+    got = native.masked_argmax(logits, bits)
+    assert got[:5] == want[:5]
+    assert got[5] == -1
+
+
+@needs_native
+def test_masked_argmax_says_when_the_mask_allows_nothing():
+    assert native.masked_argmax(torch.randn(2, 100), torch.zeros(2, 4, dtype=torch.int32)) == [-1, -1]
+
+
 def test_engine_without_native_kernels_gives_the_same_greedy_tokens():
     """WAFERSCALE_NATIVE_KERNELS=0 turns the kernels off; the PyTorch path decodes the same greedy tokens.
 

@@ -201,7 +201,8 @@ class GrammarMasks:
         return template.deep_copy()
 
     def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
-        """Allowed-token masks, one bool row per matcher (vocab_size wide)."""
+        """Allowed-token bitmasks, one int32 row of ceil(vocab_size / 32) words per matcher (bit j of word w: token
+        32 w + j); `allowed` widens rows to bools."""
         # llguidance.torch would do this, but importing it runs torch.compile's imports (~6 s at start-up)
         import torch
 
@@ -216,6 +217,11 @@ class GrammarMasks:
         for m in matchers:
             if m.is_error():
                 raise GrammarError(m.get_error())
+        return bits
+
+    def allowed(self, bits: torch.Tensor) -> torch.Tensor:
+        """A bitmask row (fill's) as a bool row over the vocabulary."""
+        import torch
+
         shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(matchers), -1)
-        return allowed[:, : self.vocab_size]
+        return ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(-1)[: self.vocab_size]

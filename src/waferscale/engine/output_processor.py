@@ -46,7 +46,8 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ sampling
     def _grammar_masks(self, seqs: list[Sequence], events: list[GenerationEvent]) -> dict[int, torch.Tensor]:
-        """Allowed-token rows of the grammar-constrained sequences (one batched call; the others pay nothing)."""
+        """Allowed-token bitmask rows of the grammar-constrained sequences (one batched call; the others pay
+        nothing)."""
         constrained = [s for s in seqs if s.matcher is not None and s.params.max_tokens > 0]
         if not constrained:
             return {}
@@ -116,7 +117,7 @@ class OutputProcessor:
         self, seqs: list[Sequence], logits: torch.Tensor, events: list[GenerationEvent]
     ) -> list[tuple[Sequence, int, float, list[tuple[int, float]]]]:
         """The sampled token of each sequence with its logprob and top alternatives (failures go to `events`)."""
-        allowed = self._grammar_masks(seqs, events)
+        masks = self._grammar_masks(seqs, events)
         # logprobs are of the model's own distribution (see docs/api.md): logit - logsumexp, without materialising
         # a whole log_softmax of the batch; a NaN anywhere in a row makes its logsumexp NaN
         if self.native is not None and logits.dtype == torch.float32:
@@ -125,6 +126,9 @@ class OutputProcessor:
             argmax, lse = None, torch.logsumexp(logits, -1, keepdim=True)
         bad_rows = lse.squeeze(1).isnan().tolist()
         overrides: dict[int, torch.Tensor] = {}  # rows after penalties, bias, min_tokens or a grammar mask
+        # greedy constrained rows, when the native kernels took the first argmax: their argmax among the allowed
+        # tokens straight from the bitmask (row index, row after its controls, bitmask, whether controls applied)
+        by_mask: list[tuple[int, torch.Tensor, torch.Tensor, bool]] = []
         rows: list[int] = []
         for i, seq in enumerate(seqs):
             params = seq.params
@@ -138,11 +142,19 @@ class OutputProcessor:
                 self.faults.check_sample(seq.request_id, seq.num_generated)
                 if bad_rows[i]:
                     raise FloatingPointError("the model produced NaN logits")
-                mask = allowed.get(id(seq))
-                if mask is not None or sampler.needs_controls(params, seq.output_counts, seq.num_generated):
+                bits = masks.get(id(seq))
+                controls = sampler.needs_controls(params, seq.output_counts, seq.num_generated)
+                if bits is not None and params.greedy and argmax is not None:
+                    row = logits[i]
+                    if controls:
+                        row = row.clone()
+                        sampler.apply_controls(row, params, seq.output_counts, self.eos_ids, seq.num_generated)
+                    by_mask.append((i, row, bits, controls))
+                elif bits is not None or controls:
                     row = logits[i].clone()
                     sampler.apply_controls(row, params, seq.output_counts, self.eos_ids, seq.num_generated)
-                    if mask is not None:
+                    if bits is not None:
+                        mask = self.grammars.allowed(bits)
                         masked = row.masked_fill(~mask, float("-inf"))
                         # min_tokens or logit_bias left nothing the grammar allows: the grammar wins
                         if not torch.isfinite(masked).any():
@@ -156,6 +168,21 @@ class OutputProcessor:
                 events.append(self.fail(seq, internal_error(exc)))
                 continue
             rows.append(i)
+        if by_mask:
+            argmax = list(argmax)
+            picks = self.native.masked_argmax(
+                torch.stack([r for _, r, _, _ in by_mask]), torch.stack([b for _, _, b, _ in by_mask])
+            )
+            for (i, _, bits, controls), token in zip(by_mask, picks):
+                if token < 0 and controls:  # min_tokens or logit_bias left nothing the grammar allows: it wins
+                    token = self.native.masked_argmax(logits[i : i + 1], bits.unsqueeze(0))[0]
+                if token < 0:
+                    exc = GrammarError("the grammar allows no token here")
+                    log.warning("sampling failed for %s: %s", seqs[i].request_id, exc)
+                    events.append(self.fail(seqs[i], internal_error(exc)))
+                    rows.remove(i)
+                else:
+                    argmax[i] = token
         if not rows:
             return []
         redrawn = [i for i in rows if i in overrides and seqs[i].params.greedy]

@@ -110,6 +110,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemm_bf16_add.restype = None
     lib.argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.argmax_logsumexp.restype = None
+    lib.masked_argmax.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    lib.masked_argmax.restype = None
     lib.qgemm.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr]
     lib.qgemm.argtypes += [ctypes.c_int, ptr, ptr]
     lib.qgemm.argtypes += [ptr, ctypes.c_int, i64, i64, ctypes.c_int]
@@ -553,6 +555,18 @@ class NativeKernels:
         lse = torch.empty(b, 1, dtype=torch.float32)
         self.lib.argmax_logsumexp(logits.data_ptr(), b, v, idx.data_ptr(), lse.data_ptr())
         return idx.tolist(), lse
+
+    def masked_argmax(self, logits: torch.Tensor, bitmask: torch.Tensor) -> list[int]:
+        """Per row of float32 logits [B, V]: the first index of the largest value among the tokens its row of the
+        int32 bitmask [B, ceil(V / 32)] allows (llguidance's layout), as torch.argmax with the rest at -inf; -1 where
+        it allows no token above -inf."""
+        logits, bitmask = logits.contiguous(), bitmask.contiguous()
+        b, v = logits.shape
+        if bitmask.dtype != torch.int32 or bitmask.shape != (b, (v + 31) // 32):
+            raise ValueError(f"masked_argmax: bitmask {tuple(bitmask.shape)} {bitmask.dtype} for logits {(b, v)}")
+        idx = torch.empty(b, dtype=torch.int64)
+        self.lib.masked_argmax(logits.data_ptr(), b, v, bitmask.data_ptr(), bitmask.shape[1], idx.data_ptr())
+        return idx.tolist()
 
     def qgemm(
         self,

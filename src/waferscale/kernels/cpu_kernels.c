@@ -11,6 +11,8 @@
  *   decode_layer: a whole decoder layer for a batch of decodes, the kernels above (or quantized projections
  *       through quant_kernels.c's qgemm) in one call.
  *   argmax_logsumexp: the sampler's per-row argmax and log-sum-exp of the logits in one pass each.
+ *   masked_argmax: the argmax among the tokens a grammar's bitmask allows, read from the mask as llguidance
+ *       writes it (no boolean row, no masked copy of the logits).
  *
  * All accumulate in float32. Work is split over threads with OpenMP, which shares PyTorch's runtime (the
  * library loads the same libgomp.so.1 that torch has already loaded).
@@ -662,9 +664,64 @@ void argmax_logsumexp(const float *x, int64_t B, int64_t V, int64_t *idx, float 
             continue;
         }
         float s = 0.f;
+        /* exp of a difference below -87 is below float32's smallest normal and cannot change a sum that holds
+         * exp(0) = 1; clamping it keeps the vector expf off its slow path for huge and infinite arguments (a
+         * grammar-masked row is mostly -inf: 10x slower unclamped) */
 #pragma omp simd reduction(+ : s)
-        for (int64_t v = 0; v < V; v++) s += (f32_bits(r[v]) == 0xff800000u) ? 0.f : expf(r[v] - m);
+        for (int64_t v = 0; v < V; v++) {
+            const float d = r[v] - m;
+            s += (f32_bits(r[v]) == 0xff800000u) ? 0.f : expf(d < -87.f ? -87.f : d);
+        }
         lse[b] = m + logf(s);
+    }
+}
+
+/* Per row b of float32 logits x [B, V] and its allowed-token bitmask [B, W] (bit j of word w: token 32 w + j, as
+ * llguidance fills it): the first index of the largest allowed value, as torch.argmax over the row with every other
+ * token at -inf; -1 where no allowed token is above -inf (the grammar allows nothing the row can take). Rows carry
+ * no NaN here (the caller has failed those). Whole words of allowed tokens take a plain maximum (vectorized); mixed
+ * words go bit by bit. */
+void masked_argmax(const float *x, int64_t B, int64_t V, const uint32_t *mask, int64_t W, int64_t *idx) {
+#pragma omp parallel for schedule(static) if (B > 1)
+    for (int64_t b = 0; b < B; b++) {
+        const float *r = x + b * V;
+        const uint32_t *mw = mask + b * W;
+        const int64_t full = V / 32; /* words whose 32 tokens are all in the vocabulary */
+        float m = -INFINITY;
+        for (int64_t w = 0; w < W; w++) {
+            uint32_t bits = mw[w];
+            if (!bits) continue;
+            const float *p = r + w * 32;
+            if (bits == 0xffffffffu && w < full) {
+                float wm = -INFINITY;
+#pragma omp simd reduction(max : wm)
+                for (int j = 0; j < 32; j++) wm = p[j] > wm ? p[j] : wm;
+                m = wm > m ? wm : m;
+                continue;
+            }
+            while (bits) {
+                const int j = __builtin_ctz(bits);
+                bits &= bits - 1;
+                if (w * 32 + j >= V) break;
+                m = p[j] > m ? p[j] : m;
+            }
+        }
+        int64_t at = -1;
+        if (m > -INFINITY) {
+            for (int64_t w = 0; w < W && at < 0; w++) {
+                uint32_t bits = mw[w];
+                while (bits) {
+                    const int j = __builtin_ctz(bits);
+                    bits &= bits - 1;
+                    if (w * 32 + j >= V) break;
+                    if (r[w * 32 + j] == m) {
+                        at = w * 32 + j;
+                        break;
+                    }
+                }
+            }
+        }
+        idx[b] = at;
     }
 }
 
