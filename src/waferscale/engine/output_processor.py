@@ -144,6 +144,15 @@ class OutputProcessor:
                     raise FloatingPointError("the model produced NaN logits")
                 bits = masks.get(id(seq))
                 controls = sampler.needs_controls(params, seq.output_counts, seq.num_generated)
+                if (
+                    controls
+                    and bits is None
+                    and params.greedy
+                    and argmax is not None
+                    and argmax[i] not in self.eos_ids
+                    and sampler.eos_mask_only(params, seq.output_counts)
+                ):  # min_tokens masks only EOS, and this row's argmax is none: masking it changes no pick
+                    controls = False
                 if bits is not None and params.greedy and argmax is not None:
                     row = logits[i]
                     if controls:

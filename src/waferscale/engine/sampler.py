@@ -51,6 +51,11 @@ def needs_controls(params: SamplingParams, output_counts: dict[int, int], num_ge
     )
 
 
+def eos_mask_only(params: SamplingParams, output_counts: dict[int, int]) -> bool:
+    """Whether this row's only control is min_tokens' EOS mask (no penalty that applies, no logit_bias)."""
+    return not ((output_counts and (params.frequency_penalty or params.presence_penalty)) or params.logit_bias)
+
+
 def draw(
     logits: torch.Tensor,
     params: list[SamplingParams],
