@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from waferscale import kernels
-from waferscale.engine import LLMEngine, SamplingParams
+from waferscale.engine import LLMEngine, SamplingParams, kv_int8
 from waferscale.models import load_model
 
 native = kernels.load()
@@ -53,6 +53,54 @@ def test_paged_decode_attention_matches_sdpa(dtype, heads, kv_heads):
     got = native.paged_decode_attention(q, k_cache, v_cache, tables, lengths, d**-0.5, block_size)
     want = sdpa_over_gathered_blocks(q, k_cache, v_cache, tables, lengths, block_size, d**-0.5)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def _long_pool(lengths: list[int], block_size: int = 16, kv_heads: int = 3, d: int = 64):
+    """A pool holding sequences of these lengths in scattered blocks, and their tables."""
+    width = -(-max(lengths) // block_size)
+    num_blocks = len(lengths) * width + 1
+    order = torch.randperm(num_blocks - 1)[: len(lengths) * width] + 1
+    tables = order.view(len(lengths), width).clone()
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, d)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, d)
+    return tables, k_cache, v_cache
+
+
+@needs_native
+def test_paged_decode_attention_over_long_contexts_merges_its_chunks_exactly():
+    """Sequences longer than one task's chunk (1024 positions) are split and merged: the softmax of the whole, with
+    sinks and a window start too."""
+    torch.manual_seed(3)
+    lengths = torch.tensor([1500, 4100, 1024, 1025, 30])
+    tables, k_cache, v_cache = _long_pool(lengths.tolist())
+    q = torch.randn(len(lengths), 9, 64)
+    got = native.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 64**-0.5, 16)
+    want = sdpa_over_gathered_blocks(q, k_cache, v_cache, tables, lengths, 16, 64**-0.5)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    starts = torch.tensor([700, 0, 0, 1, 3])
+    sinks = torch.randn(9)
+    got = native.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 64**-0.5, 16, starts, sinks)
+    keys = k_cache.view(-1, 16, 3, 64)[tables].reshape(len(lengths), -1, 3, 64).repeat_interleave(3, 2)
+    values = v_cache.view(-1, 16, 3, 64)[tables].reshape(len(lengths), -1, 3, 64).repeat_interleave(3, 2)
+    for b, (s0, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        scores = torch.einsum("hd,thd->ht", q[b], keys[b, s0:n]) * 64**-0.5
+        logits = torch.cat([scores, sinks[:, None]], 1)
+        p = logits.softmax(-1)[:, :-1]
+        torch.testing.assert_close(got[b], torch.einsum("ht,thd->hd", p, values[b, s0:n]), atol=2e-6, rtol=1e-5)
+
+
+@needs_native
+def test_a_long_sequences_attention_does_not_depend_on_the_batch():
+    torch.manual_seed(4)
+    lengths = torch.tensor([3000, 2000, 50])
+    tables, k_cache, v_cache = _long_pool(lengths.tolist())
+    k8, ks = kv_int8.quantize(k_cache)
+    v8, vs = kv_int8.quantize(v_cache)
+    q = torch.randn(3, 9, 64)
+    for k, v, scales in ((k_cache, v_cache, {}), (k8, v8, {"k_scale": ks, "v_scale": vs})):
+        together = native.paged_decode_attention(q, k, v, tables, lengths, 0.125, 16, **scales)
+        alone = native.paged_decode_attention(q[:1], k, v, tables[:1], lengths[:1], 0.125, 16, **scales)
+        assert torch.equal(together[0], alone[0])
 
 
 @needs_native

@@ -107,21 +107,119 @@ static inline void store_head(void *cache, float *scales, int fmt, int64_t slot,
         memcpy((float *)cache + at, x, (size_t)D * sizeof(float));
 }
 
-/* out[b, h, :] = softmax(q[b, h] . K[b]^T * scale) V[b] over the first lengths[b] positions of sequence b, whose
- * position t lives in slot tables[b, t / block_size] * block_size + t % block_size of the pool.
- * q, out: float32 [B, H, D]; tables: int64 [B, W]; lengths: int64 [B]; H is a multiple of KVH.
- * One sequence per task: each slot's keys (all kv heads, contiguous) are read once, by one thread. */
-/* As paged_decode_attention, over positions starts[b] .. lengths[b] - 1 of each sequence (starts NULL: from 0;
- * a sliding window), with sinks[h] (NULL: none) joining each head's softmax denominator as one more logit. An int8
- * cache (fmt KV_I8) is read as it is stored: q . k_int8 over each group of channels times that group's scale, and
- * each value's probability times its group's scale, so nothing is widened to a float copy first. */
+/* scores[h, t] = q_h . k_t * scale for the n positions pos0 .. pos0 + n - 1 of a sequence (k_t the row of h's kv
+ * head; row: a scratch row of KVH * D floats). An int8 cache is read as it is stored: q . k_int8 over each group of
+ * channels times that group's scale. */
+static void att_scores(const float *qb, const void *k_cache, int fmt, const float *k_scale, const int64_t *table,
+                       int64_t pos0, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,
+                       float *row, float *scores) {
+    const int64_t G = H / KVH, row_len = KVH * D, qg = kv_group(D), ng = D / qg;
+    int64_t blk = pos0 / block_size, off = pos0 % block_size, base = table[blk] * block_size;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t slot = base + off;
+        if (++off == block_size && t + 1 < n) { /* the next block (no division per position) */
+            off = 0;
+            base = table[++blk] * block_size;
+        }
+        if (fmt == KV_I8) {
+            const int8_t *k = (const int8_t *)k_cache + slot * row_len;
+            const float *ks = k_scale + slot * KVH * ng;
+            for (int64_t h = 0; h < H; h++) {
+                const float *qh = qb + h * D, *kss = ks + (h / G) * ng;
+                const int8_t *kh = k + (h / G) * D;
+                float s = 0.f;
+                for (int64_t j = 0; j < ng; j++) {
+                    float sj = 0.f;
+#pragma omp simd reduction(+ : sj)
+                    for (int64_t d = j * qg; d < (j + 1) * qg; d++) sj += qh[d] * (float)kh[d];
+                    s += sj * kss[j];
+                }
+                scores[h * n + t] = s * scale;
+            }
+            continue;
+        }
+        const float *k = cache_row(k_cache, fmt == KV_BF16, slot, row_len, row);
+        for (int64_t h = 0; h < H; h++) {
+            const float *qh = qb + h * D, *kh = k + (h / G) * D;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; d++) s += qh[d] * kh[d];
+            scores[h * n + t] = s * scale;
+        }
+    }
+}
+
+/* acc[h] += sum_t p[h, t] v_t over the same n positions (an int8 value's weight times its group's scale, nothing
+ * widened to a float copy first). */
+static void att_values(const float *p, const void *v_cache, int fmt, const float *v_scale, const int64_t *table,
+                       int64_t pos0, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t block_size, float *row,
+                       float *acc) {
+    const int64_t G = H / KVH, row_len = KVH * D, qg = kv_group(D), ng = D / qg;
+    int64_t blk = pos0 / block_size, off = pos0 % block_size, base = table[blk] * block_size;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t slot = base + off;
+        if (++off == block_size && t + 1 < n) { /* the next block (no division per position) */
+            off = 0;
+            base = table[++blk] * block_size;
+        }
+        if (fmt == KV_I8) {
+            const int8_t *v = (const int8_t *)v_cache + slot * row_len;
+            const float *vs = v_scale + slot * KVH * ng;
+            for (int64_t h = 0; h < H; h++) {
+                const int8_t *vh = v + (h / G) * D;
+                float *ah = acc + h * D;
+                for (int64_t j = 0; j < ng; j++) {
+                    const float w = p[h * n + t] * vs[(h / G) * ng + j];
+#pragma omp simd
+                    for (int64_t d = j * qg; d < (j + 1) * qg; d++) ah[d] += w * (float)vh[d];
+                }
+            }
+            continue;
+        }
+        const float *v = cache_row(v_cache, fmt == KV_BF16, slot, row_len, row);
+        for (int64_t h = 0; h < H; h++) {
+            const float w = p[h * n + t], *vh = v + (h / G) * D;
+            float *ah = acc + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) ah[d] += w * vh[d];
+        }
+    }
+}
+
+/* Positions a task of paged_decode_attention_ex covers: a longer sequence is split into chunks of this many, each its
+ * own task (so that one long sequence takes every thread), combined afterwards in chunk order. The split depends on
+ * the sequence's length only, never on the batch: a sequence gets the same numbers in any batch. */
+#define ATT_CHUNK 1024
+
+/* out[b, h, :] = softmax(q[b, h] . K[b]^T * scale) V[b] over positions starts[b] .. lengths[b] - 1 (starts NULL: from
+ * 0; a sliding window) of sequence b, whose position t lives in slot tables[b, t / block_size] * block_size +
+ * t % block_size of the pool, with sinks[h] (NULL: none) joining each head's softmax denominator as one more logit.
+ * q, out: float32 [B, H, D]; tables: int64 [B, W]; lengths: int64 [B]; H is a multiple of KVH. A sequence of at most
+ * ATT_CHUNK positions is one task (its softmax normalised before the values are summed); a longer one is split into
+ * chunks, each summing exp(s - its own max) v and exp(s - max), merged in chunk order (flash-decoding). */
 void paged_decode_attention_ex(const float *q, const void *k_cache, const void *v_cache, int fmt,
                                const float *k_scale, const float *v_scale, const int64_t *tables,
                                const int64_t *starts, const int64_t *lengths, const float *sinks, float *out,
                                int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t W, int64_t block_size,
                                float scale) {
-    const int64_t G = H / KVH, row_len = KVH * D, qg = kv_group(D), ng = D / qg;
-    const int is_bf16 = fmt == KV_BF16;
+    const int64_t row_len = KVH * D;
+    int64_t *first_task = (int64_t *)malloc((size_t)(B + 1) * sizeof(int64_t));
+    first_task[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = lengths[b] - (starts ? starts[b] : 0);
+        first_task[b + 1] = first_task[b] + (len > ATT_CHUNK ? (len + ATT_CHUNK - 1) / ATT_CHUNK : 1);
+    }
+    const int64_t T = first_task[B];
+    int64_t *task_seq = (int64_t *)malloc((size_t)T * sizeof(int64_t));
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = first_task[b]; i < first_task[b + 1]; i++) task_seq[i] = b;
+    /* chunked tasks' partial results: each head's max, sum of exp and unnormalised sum of values */
+    float *pm = NULL, *pl = NULL, *pacc = NULL;
+    if (T > B) {
+        pm = (float *)malloc((size_t)(T * H) * sizeof(float));
+        pl = (float *)malloc((size_t)(T * H) * sizeof(float));
+        pacc = (float *)malloc((size_t)(T * H * D) * sizeof(float));
+    }
 #pragma omp parallel
     {
         int64_t cap = 0;
@@ -129,8 +227,12 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
         float *row = (float *)malloc((size_t)row_len * sizeof(float));
         float *acc = (float *)malloc((size_t)(H * D) * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t first = starts ? starts[b] : 0, len = lengths[b] - first;
+        for (int64_t task = 0; task < T; task++) {
+            const int64_t b = task_seq[task], chunks = first_task[b + 1] - first_task[b];
+            const int64_t c = task - first_task[b], seq_first = starts ? starts[b] : 0;
+            const int64_t first = seq_first + c * ATT_CHUNK;
+            const int64_t len = chunks == 1 ? lengths[b] - seq_first
+                                             : (lengths[b] - first < ATT_CHUNK ? lengths[b] - first : ATT_CHUNK);
             if (len > cap) {
                 free(scores);
                 cap = len;
@@ -138,39 +240,10 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
             }
             const float *qb = q + b * H * D;
             const int64_t *table = tables + b * W;
-            /* scores[h, t] = q_h . k_t * scale, with k_t the row of h's kv head */
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = slot_of(table, first + t, block_size);
-                if (fmt == KV_I8) {
-                    const int8_t *k = (const int8_t *)k_cache + slot * row_len;
-                    const float *ks = k_scale + slot * KVH * ng;
-                    for (int64_t h = 0; h < H; h++) {
-                        const float *qh = qb + h * D, *kss = ks + (h / G) * ng;
-                        const int8_t *kh = k + (h / G) * D;
-                        float s = 0.f;
-                        for (int64_t j = 0; j < ng; j++) {
-                            float sj = 0.f;
-#pragma omp simd reduction(+ : sj)
-                            for (int64_t d = j * qg; d < (j + 1) * qg; d++) sj += qh[d] * (float)kh[d];
-                            s += sj * kss[j];
-                        }
-                        scores[h * len + t] = s * scale;
-                    }
-                    continue;
-                }
-                const float *k = cache_row(k_cache, is_bf16, slot, row_len, row);
-                for (int64_t h = 0; h < H; h++) {
-                    const float *qh = qb + h * D, *kh = k + (h / G) * D;
-                    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t d = 0; d < D; d++) s += qh[d] * kh[d];
-                    scores[h * len + t] = s * scale;
-                }
-            }
-            /* softmax over t, per query head */
+            att_scores(qb, k_cache, fmt, k_scale, table, first, len, H, KVH, D, block_size, scale, row, scores);
             for (int64_t h = 0; h < H; h++) {
                 float *sh = scores + h * len;
-                float m = sinks ? sinks[h] : -FLT_MAX;
+                float m = chunks == 1 && sinks ? sinks[h] : -FLT_MAX;
                 for (int64_t t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;
                 float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -178,43 +251,53 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
                     sh[t] = expf(sh[t] - m);
                     sum += sh[t];
                 }
+                if (chunks > 1) { /* kept unnormalised: the merge rescales each chunk by its max */
+                    pm[task * H + h] = m;
+                    pl[task * H + h] = sum;
+                    continue;
+                }
                 if (sinks) sum += expf(sinks[h] - m);
                 const float inv = 1.f / sum;
 #pragma omp simd
                 for (int64_t t = 0; t < len; t++) sh[t] *= inv;
             }
-            /* out_h = sum_t p[h, t] v_t */
             memset(acc, 0, (size_t)(H * D) * sizeof(float));
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = slot_of(table, first + t, block_size);
-                if (fmt == KV_I8) {
-                    const int8_t *v = (const int8_t *)v_cache + slot * row_len;
-                    const float *vs = v_scale + slot * KVH * ng;
-                    for (int64_t h = 0; h < H; h++) {
-                        const int8_t *vh = v + (h / G) * D;
-                        float *ah = acc + h * D;
-                        for (int64_t j = 0; j < ng; j++) {
-                            const float p = scores[h * len + t] * vs[(h / G) * ng + j];
-#pragma omp simd
-                            for (int64_t d = j * qg; d < (j + 1) * qg; d++) ah[d] += p * (float)vh[d];
-                        }
-                    }
-                    continue;
-                }
-                const float *v = cache_row(v_cache, is_bf16, slot, row_len, row);
-                for (int64_t h = 0; h < H; h++) {
-                    const float p = scores[h * len + t], *vh = v + (h / G) * D;
-                    float *ah = acc + h * D;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) ah[d] += p * vh[d];
-                }
-            }
-            memcpy(out + b * H * D, acc, (size_t)(H * D) * sizeof(float));
+            att_values(scores, v_cache, fmt, v_scale, table, first, len, H, KVH, D, block_size, row, acc);
+            memcpy(chunks == 1 ? out + b * H * D : pacc + task * H * D, acc, (size_t)(H * D) * sizeof(float));
         }
         free(scores);
         free(row);
         free(acc);
+        if (T > B) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++) {
+                const int64_t t0 = first_task[b], t1 = first_task[b + 1];
+                if (t1 - t0 == 1) continue;
+                for (int64_t h = 0; h < H; h++) {
+                    float m = sinks ? sinks[h] : -FLT_MAX;
+                    for (int64_t t = t0; t < t1; t++) m = pm[t * H + h] > m ? pm[t * H + h] : m;
+                    float denom = sinks ? expf(sinks[h] - m) : 0.f;
+                    float *o = out + (b * H + h) * D;
+                    memset(o, 0, (size_t)D * sizeof(float));
+                    for (int64_t t = t0; t < t1; t++) {
+                        const float w = expf(pm[t * H + h] - m);
+                        denom += w * pl[t * H + h];
+                        const float *a = pacc + (t * H + h) * D;
+#pragma omp simd
+                        for (int64_t d = 0; d < D; d++) o[d] += w * a[d];
+                    }
+                    const float inv = 1.f / denom;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) o[d] *= inv;
+                }
+            }
+        }
     }
+    free(pm);
+    free(pl);
+    free(pacc);
+    free(first_task);
+    free(task_seq);
 }
 
 void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int fmt,
