@@ -124,14 +124,15 @@ static void att_scores(const float *qb, const void *k_cache, int fmt, const floa
         if (fmt == KV_I8) {
             const int8_t *k = (const int8_t *)k_cache + slot * row_len;
             const float *ks = k_scale + slot * KVH * ng;
+#pragma omp simd
+            for (int64_t i = 0; i < row_len; i++) row[i] = (float)k[i]; /* once per kv head, not per query head */
             for (int64_t h = 0; h < H; h++) {
-                const float *qh = qb + h * D, *kss = ks + (h / G) * ng;
-                const int8_t *kh = k + (h / G) * D;
+                const float *qh = qb + h * D, *kss = ks + (h / G) * ng, *kh = row + (h / G) * D;
                 float s = 0.f;
                 for (int64_t j = 0; j < ng; j++) {
                     float sj = 0.f;
 #pragma omp simd reduction(+ : sj)
-                    for (int64_t d = j * qg; d < (j + 1) * qg; d++) sj += qh[d] * (float)kh[d];
+                    for (int64_t d = j * qg; d < (j + 1) * qg; d++) sj += qh[d] * kh[d];
                     s += sj * kss[j];
                 }
                 scores[h * n + t] = s * scale;
@@ -165,13 +166,15 @@ static void att_values(const float *p, const void *v_cache, int fmt, const float
         if (fmt == KV_I8) {
             const int8_t *v = (const int8_t *)v_cache + slot * row_len;
             const float *vs = v_scale + slot * KVH * ng;
+#pragma omp simd
+            for (int64_t i = 0; i < row_len; i++) row[i] = (float)v[i];
             for (int64_t h = 0; h < H; h++) {
-                const int8_t *vh = v + (h / G) * D;
+                const float *vh = row + (h / G) * D;
                 float *ah = acc + h * D;
                 for (int64_t j = 0; j < ng; j++) {
                     const float w = p[h * n + t] * vs[(h / G) * ng + j];
 #pragma omp simd
-                    for (int64_t d = j * qg; d < (j + 1) * qg; d++) ah[d] += w * (float)vh[d];
+                    for (int64_t d = j * qg; d < (j + 1) * qg; d++) ah[d] += w * vh[d];
                 }
             }
             continue;
