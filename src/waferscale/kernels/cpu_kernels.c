@@ -189,6 +189,173 @@ static void att_values(const float *p, const void *v_cache, int fmt, const float
     }
 }
 
+/* 16 float32 lanes (GCC's vector extension: AVX-512 registers where the CPU has them, two AVX2 ones or narrower
+ * elsewhere), and 16 channels of a cache row widened to them exactly. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef int8_t v16b __attribute__((vector_size(16)));
+
+static inline v16f load16(const void *cache, int fmt, int64_t at) {
+    v16f x;
+    if (fmt == KV_BF16) {
+        v16h h;
+        memcpy(&h, (const uint16_t *)cache + at, sizeof h);
+        const v16u u = __builtin_convertvector(h, v16u) << 16;
+        memcpy(&x, &u, sizeof x);
+    } else if (fmt == KV_I8) {
+        v16b b;
+        memcpy(&b, (const int8_t *)cache + at, sizeof b);
+#if defined(__AVX512F__) && defined(WS_AVX2)
+        __m128i raw;
+        memcpy(&raw, &b, sizeof raw);
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+        memcpy(&x, &f, sizeof x);
+#else
+        x = __builtin_convertvector(__builtin_convertvector(b, v16i), v16f);
+#endif
+    } else {
+        memcpy(&x, (const float *)cache + at, sizeof x);
+    }
+    return x;
+}
+
+#define ATT_MAX_GROUP 16 /* query heads per kv head that att_values_grouped keeps in registers */
+
+/* att_values for D a multiple of 16 and at most ATT_MAX_GROUP query heads a kv head: 16 channels of one kv head at
+ * a time, the sums of its query heads kept in registers over every position (not loaded and stored per position);
+ * acc is set, not added to. The same products summed in the same order as att_values. */
+static inline __attribute__((always_inline)) void att_values_grouped_fmt(const float *p, const void *v_cache,
+                                                                          int fmt, const float *v_scale,
+                               const int64_t *table, int64_t pos0, int64_t n, int64_t G, int64_t KVH, int64_t D,
+                               int64_t block_size, float *acc) {
+    const int64_t row_len = KVH * D, qg = kv_group(D), ng = D / qg;
+    for (int64_t g = 0; g < KVH; g++)
+        for (int64_t c = 0; c < D; c += 16) {
+            v16f a[ATT_MAX_GROUP];
+            for (int64_t h = 0; h < G; h++) a[h] = (v16f){0};
+            const int64_t j = c / qg;
+            int64_t blk = pos0 / block_size, off = pos0 % block_size, base = table[blk] * block_size;
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t slot = base + off;
+                if (++off == block_size && t + 1 < n) {
+                    off = 0;
+                    base = table[++blk] * block_size;
+                }
+                const v16f x = load16(v_cache, fmt, slot * row_len + g * D + c);
+                const float s = fmt == KV_I8 ? v_scale[(slot * KVH + g) * ng + j] : 1.f;
+                for (int64_t h = 0; h < G; h++) {
+                    const float w = fmt == KV_I8 ? p[(g * G + h) * n + t] * s : p[(g * G + h) * n + t];
+                    a[h] += w * x;
+                }
+            }
+            for (int64_t h = 0; h < G; h++) memcpy(acc + (g * G + h) * D + c, &a[h], sizeof a[h]);
+        }
+}
+
+/* att_values_grouped_fmt compiled once per cache format (its format tests out of the inner loops) */
+static void att_values_grouped(const float *p, const void *v_cache, int fmt, const float *v_scale,
+                               const int64_t *table, int64_t pos0, int64_t n, int64_t H, int64_t KVH, int64_t D,
+                               int64_t block_size, float *acc) {
+#define ATT_VALUES_G(F, GG) att_values_grouped_fmt(p, v_cache, F, v_scale, table, pos0, n, GG, KVH, D, block_size, acc)
+#define ATT_VALUES(F)                                                                                               \
+    switch (H / KVH) {                                                                                              \
+    case 1: ATT_VALUES_G(F, 1); break;                                                                              \
+    case 2: ATT_VALUES_G(F, 2); break;                                                                              \
+    case 3: ATT_VALUES_G(F, 3); break;                                                                              \
+    case 4: ATT_VALUES_G(F, 4); break;                                                                              \
+    case 8: ATT_VALUES_G(F, 8); break;                                                                              \
+    default: ATT_VALUES_G(F, H / KVH);                                                                              \
+    }
+    if (fmt == KV_I8) {
+        ATT_VALUES(KV_I8)
+    } else if (fmt == KV_BF16) {
+        ATT_VALUES(KV_BF16)
+    } else {
+        ATT_VALUES(KV_F32)
+    }
+#undef ATT_VALUES
+#undef ATT_VALUES_G
+}
+
+static inline float hsum16(v16f v) {
+#if defined(__AVX512F__) && defined(WS_AVX2)
+    __m512 z;
+    memcpy(&z, &v, sizeof z);
+    return _mm512_reduce_add_ps(z);
+#else
+    float r = 0.f;
+    for (int i = 0; i < 16; i++) r += v[i];
+    return r;
+#endif
+}
+
+/* att_scores for D a multiple of 16 and at most ATT_MAX_GROUP query heads a kv head: each position's key row of a
+ * kv head widened 16 channels at a time and multiplied by every query head of its group, one horizontal sum per
+ * head and scale group (64 channels). */
+static inline __attribute__((always_inline)) void att_scores_grouped_fmt(const float *qb, const void *k_cache,
+                                                                          int fmt, const float *k_scale,
+                                                                          const int64_t *table, int64_t pos0,
+                                                                          int64_t n, int64_t G, int64_t KVH,
+                                                                          int64_t D, int64_t block_size, float scale,
+                                                                          float *scores) {
+    const int64_t row_len = KVH * D, qg = kv_group(D), ng = D / qg;
+    for (int64_t g = 0; g < KVH; g++) {
+        const float *qgp = qb + g * G * D;
+        int64_t blk = pos0 / block_size, off = pos0 % block_size, base = table[blk] * block_size;
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t slot = base + off;
+            if (++off == block_size && t + 1 < n) {
+                off = 0;
+                base = table[++blk] * block_size;
+            }
+            float tot[ATT_MAX_GROUP];
+            for (int64_t h = 0; h < G; h++) tot[h] = 0.f;
+            for (int64_t j = 0; j < ng; j++) {
+                v16f part[ATT_MAX_GROUP];
+                for (int64_t h = 0; h < G; h++) part[h] = (v16f){0};
+                for (int64_t c = j * qg; c < (j + 1) * qg; c += 16) {
+                    const v16f x = load16(k_cache, fmt, slot * row_len + g * D + c);
+                    for (int64_t h = 0; h < G; h++) {
+                        v16f qv;
+                        memcpy(&qv, qgp + h * D + c, sizeof qv);
+                        part[h] += qv * x;
+                    }
+                }
+                const float ks = fmt == KV_I8 ? k_scale[(slot * KVH + g) * ng + j] : 1.f;
+                for (int64_t h = 0; h < G; h++) tot[h] += hsum16(part[h]) * ks;
+            }
+            for (int64_t h = 0; h < G; h++) scores[(g * G + h) * n + t] = tot[h] * scale;
+        }
+    }
+}
+
+static void att_scores_grouped(const float *qb, const void *k_cache, int fmt, const float *k_scale,
+                               const int64_t *table, int64_t pos0, int64_t n, int64_t H, int64_t KVH, int64_t D,
+                               int64_t block_size, float scale, float *scores) {
+#define ATT_SCORES_G(F, GG) \
+    att_scores_grouped_fmt(qb, k_cache, F, k_scale, table, pos0, n, GG, KVH, D, block_size, scale, scores)
+#define ATT_SCORES(F)                                                                                               \
+    switch (H / KVH) {                                                                                              \
+    case 1: ATT_SCORES_G(F, 1); break;                                                                              \
+    case 2: ATT_SCORES_G(F, 2); break;                                                                              \
+    case 3: ATT_SCORES_G(F, 3); break;                                                                              \
+    case 4: ATT_SCORES_G(F, 4); break;                                                                              \
+    case 8: ATT_SCORES_G(F, 8); break;                                                                              \
+    default: ATT_SCORES_G(F, H / KVH);                                                                              \
+    }
+    if (fmt == KV_I8) {
+        ATT_SCORES(KV_I8)
+    } else if (fmt == KV_BF16) {
+        ATT_SCORES(KV_BF16)
+    } else {
+        ATT_SCORES(KV_F32)
+    }
+#undef ATT_SCORES
+#undef ATT_SCORES_G
+}
+
 /* Positions a task of paged_decode_attention_ex covers: a longer sequence is split into chunks of this many, each its
  * own task (so that one long sequence takes every thread), combined afterwards in chunk order. The split depends on
  * the sequence's length only, never on the batch: a sequence gets the same numbers in any batch. */
@@ -243,7 +410,10 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
             }
             const float *qb = q + b * H * D;
             const int64_t *table = tables + b * W;
-            att_scores(qb, k_cache, fmt, k_scale, table, first, len, H, KVH, D, block_size, scale, row, scores);
+            if (D % 16 == 0 && H / KVH <= ATT_MAX_GROUP)
+                att_scores_grouped(qb, k_cache, fmt, k_scale, table, first, len, H, KVH, D, block_size, scale, scores);
+            else
+                att_scores(qb, k_cache, fmt, k_scale, table, first, len, H, KVH, D, block_size, scale, row, scores);
             for (int64_t h = 0; h < H; h++) {
                 float *sh = scores + h * len;
                 float m = chunks == 1 && sinks ? sinks[h] : -FLT_MAX;
@@ -264,8 +434,12 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
 #pragma omp simd
                 for (int64_t t = 0; t < len; t++) sh[t] *= inv;
             }
-            memset(acc, 0, (size_t)(H * D) * sizeof(float));
-            att_values(scores, v_cache, fmt, v_scale, table, first, len, H, KVH, D, block_size, row, acc);
+            if (D % 16 == 0 && H / KVH <= ATT_MAX_GROUP) {
+                att_values_grouped(scores, v_cache, fmt, v_scale, table, first, len, H, KVH, D, block_size, acc);
+            } else {
+                memset(acc, 0, (size_t)(H * D) * sizeof(float));
+                att_values(scores, v_cache, fmt, v_scale, table, first, len, H, KVH, D, block_size, row, acc);
+            }
             memcpy(chunks == 1 ? out + b * H * D : pacc + task * H * D, acc, (size_t)(H * D) * sizeof(float));
         }
         free(scores);
