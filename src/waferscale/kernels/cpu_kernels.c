@@ -221,6 +221,26 @@ static inline v16f load16(const void *cache, int fmt, int64_t at) {
     return x;
 }
 
+/* FN(format, group size) with both as constants, for the common group sizes (each combination compiled apart, its
+ * format tests and group loop bounds folded); `fmt`, H and KVH in scope. */
+#define ATT_GROUPS(FN, F)                                                                                           \
+    switch (H / KVH) {                                                                                              \
+    case 1: FN(F, 1); break;                                                                                        \
+    case 2: FN(F, 2); break;                                                                                        \
+    case 3: FN(F, 3); break;                                                                                        \
+    case 4: FN(F, 4); break;                                                                                        \
+    case 8: FN(F, 8); break;                                                                                        \
+    default: FN(F, H / KVH);                                                                                        \
+    }
+#define ATT_SPECIALIZED(FN)                                                                                         \
+    if (fmt == KV_I8) {                                                                                             \
+        ATT_GROUPS(FN, KV_I8)                                                                                       \
+    } else if (fmt == KV_BF16) {                                                                                    \
+        ATT_GROUPS(FN, KV_BF16)                                                                                     \
+    } else {                                                                                                        \
+        ATT_GROUPS(FN, KV_F32)                                                                                      \
+    }
+
 #define ATT_MAX_GROUP 16 /* query heads per kv head that att_values_grouped keeps in registers */
 
 /* att_values for D a multiple of 16 and at most ATT_MAX_GROUP query heads a kv head: 16 channels of one kv head at
@@ -254,28 +274,12 @@ static inline __attribute__((always_inline)) void att_values_grouped_fmt(const f
         }
 }
 
-/* att_values_grouped_fmt compiled once per cache format (its format tests out of the inner loops) */
+/* att_values_grouped_fmt compiled per cache format and group size */
 static void att_values_grouped(const float *p, const void *v_cache, int fmt, const float *v_scale,
                                const int64_t *table, int64_t pos0, int64_t n, int64_t H, int64_t KVH, int64_t D,
                                int64_t block_size, float *acc) {
 #define ATT_VALUES_G(F, GG) att_values_grouped_fmt(p, v_cache, F, v_scale, table, pos0, n, GG, KVH, D, block_size, acc)
-#define ATT_VALUES(F)                                                                                               \
-    switch (H / KVH) {                                                                                              \
-    case 1: ATT_VALUES_G(F, 1); break;                                                                              \
-    case 2: ATT_VALUES_G(F, 2); break;                                                                              \
-    case 3: ATT_VALUES_G(F, 3); break;                                                                              \
-    case 4: ATT_VALUES_G(F, 4); break;                                                                              \
-    case 8: ATT_VALUES_G(F, 8); break;                                                                              \
-    default: ATT_VALUES_G(F, H / KVH);                                                                              \
-    }
-    if (fmt == KV_I8) {
-        ATT_VALUES(KV_I8)
-    } else if (fmt == KV_BF16) {
-        ATT_VALUES(KV_BF16)
-    } else {
-        ATT_VALUES(KV_F32)
-    }
-#undef ATT_VALUES
+    ATT_SPECIALIZED(ATT_VALUES_G)
 #undef ATT_VALUES_G
 }
 
@@ -336,23 +340,7 @@ static void att_scores_grouped(const float *qb, const void *k_cache, int fmt, co
                                int64_t block_size, float scale, float *scores) {
 #define ATT_SCORES_G(F, GG) \
     att_scores_grouped_fmt(qb, k_cache, F, k_scale, table, pos0, n, GG, KVH, D, block_size, scale, scores)
-#define ATT_SCORES(F)                                                                                               \
-    switch (H / KVH) {                                                                                              \
-    case 1: ATT_SCORES_G(F, 1); break;                                                                              \
-    case 2: ATT_SCORES_G(F, 2); break;                                                                              \
-    case 3: ATT_SCORES_G(F, 3); break;                                                                              \
-    case 4: ATT_SCORES_G(F, 4); break;                                                                              \
-    case 8: ATT_SCORES_G(F, 8); break;                                                                              \
-    default: ATT_SCORES_G(F, H / KVH);                                                                              \
-    }
-    if (fmt == KV_I8) {
-        ATT_SCORES(KV_I8)
-    } else if (fmt == KV_BF16) {
-        ATT_SCORES(KV_BF16)
-    } else {
-        ATT_SCORES(KV_F32)
-    }
-#undef ATT_SCORES
+    ATT_SPECIALIZED(ATT_SCORES_G)
 #undef ATT_SCORES_G
 }
 
