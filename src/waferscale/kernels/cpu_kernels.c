@@ -189,36 +189,64 @@ static void att_values(const float *p, const void *v_cache, int fmt, const float
     }
 }
 
-/* 16 float32 lanes (GCC's vector extension: AVX-512 registers where the CPU has them, two AVX2 ones or narrower
- * elsewhere), and 16 channels of a cache row widened to them exactly. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef int8_t v16b __attribute__((vector_size(16)));
+/* VL float32 lanes (GCC's vector extension): 16, one AVX-512 register, where the build has AVX-512; else 8, one
+ * AVX2 register (GCC spills 64-byte vectors split over AVX2 registers); and VL channels of a cache row widened to
+ * them exactly. */
+#if defined(__AVX512F__) && defined(WS_AVX2)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
+typedef int8_t vb __attribute__((vector_size(VL)));
 
-static inline v16f load16(const void *cache, int fmt, int64_t at) {
-    v16f x;
+static inline vf loadv(const void *cache, int fmt, int64_t at) {
+    vf x;
     if (fmt == KV_BF16) {
-        v16h h;
+        vh h;
         memcpy(&h, (const uint16_t *)cache + at, sizeof h);
-        const v16u u = __builtin_convertvector(h, v16u) << 16;
+        const vu u = __builtin_convertvector(h, vu) << 16;
         memcpy(&x, &u, sizeof x);
     } else if (fmt == KV_I8) {
-        v16b b;
+        vb b;
         memcpy(&b, (const int8_t *)cache + at, sizeof b);
-#if defined(__AVX512F__) && defined(WS_AVX2)
+#if VL == 16
         __m128i raw;
         memcpy(&raw, &b, sizeof raw);
         const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
         memcpy(&x, &f, sizeof x);
+#elif defined(WS_AVX2)
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)&b)));
+        memcpy(&x, &f, sizeof x);
 #else
-        x = __builtin_convertvector(__builtin_convertvector(b, v16i), v16f);
+        x = __builtin_convertvector(__builtin_convertvector(b, vi), vf);
 #endif
     } else {
         memcpy(&x, (const float *)cache + at, sizeof x);
     }
     return x;
+}
+
+static inline float hsum(vf v) {
+#if VL == 16
+    __m512 z;
+    memcpy(&z, &v, sizeof z);
+    return _mm512_reduce_add_ps(z);
+#elif defined(WS_AVX2)
+    __m256 s8;
+    memcpy(&s8, &v, sizeof s8);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+    return _mm_cvtss_f32(s4);
+#else
+    float r = 0.f;
+    for (int i = 0; i < VL; i++) r += v[i];
+    return r;
+#endif
 }
 
 /* FN(format, group size) with both as constants, for the common group sizes (each combination compiled apart, its
@@ -243,7 +271,7 @@ static inline v16f load16(const void *cache, int fmt, int64_t at) {
 
 #define ATT_MAX_GROUP 16 /* query heads per kv head that att_values_grouped keeps in registers */
 
-/* att_values for D a multiple of 16 and at most ATT_MAX_GROUP query heads a kv head: 16 channels of one kv head at
+/* att_values for D a multiple of 16 and at most ATT_MAX_GROUP query heads a kv head: VL channels of one kv head at
  * a time, the sums of its query heads kept in registers over every position (not loaded and stored per position);
  * acc is set, not added to. The same products summed in the same order as att_values. */
 static inline __attribute__((always_inline)) void att_values_grouped_fmt(const float *p, const void *v_cache,
@@ -252,9 +280,9 @@ static inline __attribute__((always_inline)) void att_values_grouped_fmt(const f
                                int64_t block_size, float *acc) {
     const int64_t row_len = KVH * D, qg = kv_group(D), ng = D / qg;
     for (int64_t g = 0; g < KVH; g++)
-        for (int64_t c = 0; c < D; c += 16) {
-            v16f a[ATT_MAX_GROUP];
-            for (int64_t h = 0; h < G; h++) a[h] = (v16f){0};
+        for (int64_t c = 0; c < D; c += VL) {
+            vf a[ATT_MAX_GROUP];
+            for (int64_t h = 0; h < G; h++) a[h] = (vf){0};
             const int64_t j = c / qg;
             int64_t blk = pos0 / block_size, off = pos0 % block_size, base = table[blk] * block_size;
             for (int64_t t = 0; t < n; t++) {
@@ -263,7 +291,7 @@ static inline __attribute__((always_inline)) void att_values_grouped_fmt(const f
                     off = 0;
                     base = table[++blk] * block_size;
                 }
-                const v16f x = load16(v_cache, fmt, slot * row_len + g * D + c);
+                const vf x = loadv(v_cache, fmt, slot * row_len + g * D + c);
                 const float s = fmt == KV_I8 ? v_scale[(slot * KVH + g) * ng + j] : 1.f;
                 for (int64_t h = 0; h < G; h++) {
                     const float w = fmt == KV_I8 ? p[(g * G + h) * n + t] * s : p[(g * G + h) * n + t];
@@ -283,20 +311,9 @@ static void att_values_grouped(const float *p, const void *v_cache, int fmt, con
 #undef ATT_VALUES_G
 }
 
-static inline float hsum16(v16f v) {
-#if defined(__AVX512F__) && defined(WS_AVX2)
-    __m512 z;
-    memcpy(&z, &v, sizeof z);
-    return _mm512_reduce_add_ps(z);
-#else
-    float r = 0.f;
-    for (int i = 0; i < 16; i++) r += v[i];
-    return r;
-#endif
-}
 
 /* att_scores for D a multiple of 16 and at most ATT_MAX_GROUP query heads a kv head: each position's key row of a
- * kv head widened 16 channels at a time and multiplied by every query head of its group, one horizontal sum per
+ * kv head widened VL channels at a time and multiplied by every query head of its group, one horizontal sum per
  * head and scale group (64 channels). */
 static inline __attribute__((always_inline)) void att_scores_grouped_fmt(const float *qb, const void *k_cache,
                                                                           int fmt, const float *k_scale,
@@ -317,18 +334,18 @@ static inline __attribute__((always_inline)) void att_scores_grouped_fmt(const f
             float tot[ATT_MAX_GROUP];
             for (int64_t h = 0; h < G; h++) tot[h] = 0.f;
             for (int64_t j = 0; j < ng; j++) {
-                v16f part[ATT_MAX_GROUP];
-                for (int64_t h = 0; h < G; h++) part[h] = (v16f){0};
-                for (int64_t c = j * qg; c < (j + 1) * qg; c += 16) {
-                    const v16f x = load16(k_cache, fmt, slot * row_len + g * D + c);
+                vf part[ATT_MAX_GROUP];
+                for (int64_t h = 0; h < G; h++) part[h] = (vf){0};
+                for (int64_t c = j * qg; c < (j + 1) * qg; c += VL) {
+                    const vf x = loadv(k_cache, fmt, slot * row_len + g * D + c);
                     for (int64_t h = 0; h < G; h++) {
-                        v16f qv;
+                        vf qv;
                         memcpy(&qv, qgp + h * D + c, sizeof qv);
                         part[h] += qv * x;
                     }
                 }
                 const float ks = fmt == KV_I8 ? k_scale[(slot * KVH + g) * ng + j] : 1.f;
-                for (int64_t h = 0; h < G; h++) tot[h] += hsum16(part[h]) * ks;
+                for (int64_t h = 0; h < G; h++) tot[h] += hsum(part[h]) * ks;
             }
             for (int64_t h = 0; h < G; h++) scores[(g * G + h) * n + t] = tot[h] * scale;
         }
