@@ -4,7 +4,8 @@ Usage: .venv/bin/python scripts/bench_speculation.py [--model PATH] [--dtype bfl
            [--draft-model PATH|self:int4|self:int8]
 For each task of scripts/data/spec_tasks.json (input-grounded ones, whose answers copy from the prompt, and
 open-ended ones), greedy, as a chat turn through the model's template: output tokens/s with --speculative ngram (and
-draft, with --draft-model) and none, whether the outputs are identical, and each method's acceptance (drafts
+draft, with --draft-model) and none, over the whole request and over decoding alone (after the first token, as
+llama-server's predicted_per_second: speculation cannot shorten the prompt's prefill), whether the outputs are identical, and each method's acceptance (drafts
 accepted of those proposed, and output tokens per target forward). --streams N runs N copies of each task at once
 (as N concurrent clients). On a shared machine, read only the ratios, which come from interleaved runs.
 """
@@ -27,18 +28,22 @@ from waferscale.models import load_model  # noqa: E402
 from waferscale.models.chat_template import ChatTemplate  # noqa: E402
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], float, int, int]:
-    """Outputs, seconds, output tokens and engine steps of the prompts decoded together."""
+def run(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], float, float, int, int]:
+    """Outputs, seconds (all; and after every prompt's first token: decoding only, as llama-server's
+    predicted_per_second counts), output tokens and engine steps of the prompts decoded together."""
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, SamplingParams(max_tokens=tokens, temperature=0))
     out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    start, steps = time.perf_counter(), 0
+    start, steps, first = time.perf_counter(), 0, None
     while engine.has_work():
         steps += 1
         for ev in engine.step():
             out[ev.request_id] += ev.token_ids
-    elapsed = time.perf_counter() - start
-    return [out[str(i)] for i in range(len(prompts))], elapsed, sum(len(v) for v in out.values()), steps
+        if first is None and all(out.values()):
+            first = time.perf_counter()
+    end = time.perf_counter()
+    outs = [out[str(i)] for i in range(len(prompts))]
+    return outs, end - start, end - (first or end), sum(len(v) for v in out.values()), steps
 
 
 def main() -> None:
@@ -72,6 +77,8 @@ def main() -> None:
     for kind in ("grounded", "open"):
         rates: dict[str, list[float]] = {m: [] for m in methods}
         ratios: dict[str, list[float]] = {m: [] for m in methods[1:]}
+        decode_rates: dict[str, list[float]] = {m: [] for m in methods}  # after the first token (prompt excluded)
+        decode_ratios: dict[str, list[float]] = {m: [] for m in methods[1:]}
         same = dict.fromkeys(methods[1:], True)
         before = {m: engines[m].stats() for m in methods}
         tokens = dict.fromkeys(methods, 0)
@@ -80,21 +87,28 @@ def main() -> None:
             prompts = [encode(text)] * args.streams
             outs = {}
             for method in methods:
-                outs[method], secs, n, k = run(engines[method], prompts, args.tokens)
+                outs[method], secs, decoding, n, k = run(engines[method], prompts, args.tokens)
                 rates[method].append(n / secs)
+                decode_rates[method].append((n - len(prompts)) / decoding if decoding > 0 else 0.0)
                 tokens[method] += n
                 steps[method] += k
             for method in methods[1:]:
                 same[method] &= outs["none"] == outs[method]
                 ratios[method].append(rates[method][-1] / rates["none"][-1])
-        print(f"{kind:9s} streams={args.streams}: none {statistics.median(rates['none']):6.1f} tok/s")
+                decode_ratios[method].append(decode_rates[method][-1] / decode_rates["none"][-1])
+        print(
+            f"{kind:9s} streams={args.streams}: none {statistics.median(rates['none']):6.1f} tok/s "
+            f"({statistics.median(decode_rates['none']):.1f} decoding, prompt excluded)"
+        )
         for method in methods[1:]:
             after = engines[method].stats()
             drafts = after.speculative_draft_tokens - before[method].speculative_draft_tokens
             accepted = after.speculative_accepted_tokens - before[method].speculative_accepted_tokens
             print(
                 f"  {method:5s} {statistics.median(rates[method]):6.1f} tok/s, ratio median "
-                f"{statistics.median(ratios[method]):.2f} (min {min(ratios[method]):.2f}), identical outputs: "
+                f"{statistics.median(ratios[method]):.2f} (min {min(ratios[method]):.2f}); decoding "
+                f"{statistics.median(decode_rates[method]):.1f} tok/s, ratio median "
+                f"{statistics.median(decode_ratios[method]):.2f} (min {min(decode_ratios[method]):.2f}); identical outputs: "
                 f"{same[method]}; accepted {accepted} of {drafts} drafts ({accepted / max(drafts, 1):.0%}), "
                 f"{tokens[method] / steps[method]:.2f} output tokens a step (none: "
                 f"{tokens['none'] / steps['none']:.2f})"
