@@ -135,7 +135,7 @@ def plan(args, cache: Path) -> list[tuple[str, base.Server, int]]:
         key: str, label: str, model: Path | None, q: str, scenarios=("single", "c32"), kv: int = KV_BYTES
     ) -> base.Server:
         argv = [ws, "serve", "--served-model-name", base.MODEL_NAME, "--kv-cache-memory", str(kv)]
-        argv += ["--quantization", q] + (["--model", str(model)] if model else [])
+        argv += ["--quantization", q] + (["--model", str(model)] if model else []) + args.ws_arg
         return base.Server(key, label, argv, base.waferscale_fields, scenarios)
 
     def lsrv(key: str, label: str, model: Path, ctx: int) -> base.Server:
@@ -240,6 +240,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny counts: a smoke test")
     ap.add_argument("--scenarios", default="single,c32", help="which of single,c32 to run (default: both)")
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument(
+        "--ws-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for every waferscale serve (repeatable), e.g. --ws-arg=--speculative --ws-arg=none: "
+        "the prompts are synthetic word cycles, on which the default n-gram speculation accepts much",
+    )
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "waferscale-bench")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument(
