@@ -107,6 +107,26 @@ static inline void store_head(void *cache, float *scales, int fmt, int64_t slot,
         memcpy((float *)cache + at, x, (size_t)D * sizeof(float));
 }
 
+/* The pool slots of positions pos0, pos0 + 1, ... of a sequence: one block-table lookup a block, no division per
+ * position (the next block is looked up when its first slot is asked for, never past the last). */
+typedef struct {
+    const int64_t *table;
+    int64_t block_size, blk, off, base;
+} slot_walk_t;
+
+static inline slot_walk_t slot_walk(const int64_t *table, int64_t pos0, int64_t block_size) {
+    const int64_t blk = pos0 / block_size;
+    return (slot_walk_t){table, block_size, blk, pos0 % block_size, table[blk] * block_size};
+}
+
+static inline int64_t slot_next(slot_walk_t *w) {
+    if (w->off == w->block_size) {
+        w->off = 0;
+        w->base = w->table[++w->blk] * w->block_size;
+    }
+    return w->base + w->off++;
+}
+
 /* scores[h, t] = q_h . k_t * scale for the n positions pos0 .. pos0 + n - 1 of a sequence (k_t the row of h's kv
  * head; row: a scratch row of KVH * D floats). An int8 cache is read as it is stored: q . k_int8 over each group of
  * channels times that group's scale. */
@@ -114,13 +134,9 @@ static void att_scores(const float *qb, const void *k_cache, int fmt, const floa
                        int64_t pos0, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,
                        float *row, float *scores) {
     const int64_t G = H / KVH, row_len = KVH * D, qg = kv_group(D), ng = D / qg;
-    int64_t blk = pos0 / block_size, off = pos0 % block_size, base = table[blk] * block_size;
+    slot_walk_t walk = slot_walk(table, pos0, block_size);
     for (int64_t t = 0; t < n; t++) {
-        const int64_t slot = base + off;
-        if (++off == block_size && t + 1 < n) { /* the next block (no division per position) */
-            off = 0;
-            base = table[++blk] * block_size;
-        }
+        const int64_t slot = slot_next(&walk);
         if (fmt == KV_I8) {
             const int8_t *k = (const int8_t *)k_cache + slot * row_len;
             const float *ks = k_scale + slot * KVH * ng;
@@ -156,13 +172,9 @@ static void att_values(const float *p, const void *v_cache, int fmt, const float
                        int64_t pos0, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t block_size, float *row,
                        float *acc) {
     const int64_t G = H / KVH, row_len = KVH * D, qg = kv_group(D), ng = D / qg;
-    int64_t blk = pos0 / block_size, off = pos0 % block_size, base = table[blk] * block_size;
+    slot_walk_t walk = slot_walk(table, pos0, block_size);
     for (int64_t t = 0; t < n; t++) {
-        const int64_t slot = base + off;
-        if (++off == block_size && t + 1 < n) { /* the next block (no division per position) */
-            off = 0;
-            base = table[++blk] * block_size;
-        }
+        const int64_t slot = slot_next(&walk);
         if (fmt == KV_I8) {
             const int8_t *v = (const int8_t *)v_cache + slot * row_len;
             const float *vs = v_scale + slot * KVH * ng;
@@ -284,13 +296,9 @@ static inline __attribute__((always_inline)) void att_values_grouped_fmt(const f
             vf a[ATT_MAX_GROUP];
             for (int64_t h = 0; h < G; h++) a[h] = (vf){0};
             const int64_t j = c / qg;
-            int64_t blk = pos0 / block_size, off = pos0 % block_size, base = table[blk] * block_size;
+            slot_walk_t walk = slot_walk(table, pos0, block_size);
             for (int64_t t = 0; t < n; t++) {
-                const int64_t slot = base + off;
-                if (++off == block_size && t + 1 < n) {
-                    off = 0;
-                    base = table[++blk] * block_size;
-                }
+                const int64_t slot = slot_next(&walk);
                 const vf x = loadv(v_cache, fmt, slot * row_len + g * D + c);
                 const float s = fmt == KV_I8 ? v_scale[(slot * KVH + g) * ng + j] : 1.f;
                 for (int64_t h = 0; h < G; h++) {
@@ -324,13 +332,9 @@ static inline __attribute__((always_inline)) void att_scores_grouped_fmt(const f
     const int64_t row_len = KVH * D, qg = kv_group(D), ng = D / qg;
     for (int64_t g = 0; g < KVH; g++) {
         const float *qgp = qb + g * G * D;
-        int64_t blk = pos0 / block_size, off = pos0 % block_size, base = table[blk] * block_size;
+        slot_walk_t walk = slot_walk(table, pos0, block_size);
         for (int64_t t = 0; t < n; t++) {
-            const int64_t slot = base + off;
-            if (++off == block_size && t + 1 < n) {
-                off = 0;
-                base = table[++blk] * block_size;
-            }
+            const int64_t slot = slot_next(&walk);
             float tot[ATT_MAX_GROUP];
             for (int64_t h = 0; h < G; h++) tot[h] = 0.f;
             for (int64_t j = 0; j < ng; j++) {
