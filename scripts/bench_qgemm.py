@@ -45,6 +45,8 @@ from waferscale.models.quant import QuantWeight  # noqa: E402
 SHAPES = {
     "135m": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
     "1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
+    "gemma270m": {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048)},
+    "gemma270m_head": {"head": (262144, 640)},
 }
 # bits, group, signed, mins, two-level scales: Q4_0/Q4_1/--quantization int4; Q8_0/int8; Q4_K; Q6_K; Q5_K
 KINDS = {

@@ -8,6 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_kernels import whole_layer_against_modules
+
+from waferscale import kernels
 from waferscale.engine import LLMEngine, SamplingParams
 from waferscale.models import load_model
 
@@ -65,7 +68,7 @@ def family(request, tmp_path_factory, hf_tokenizer):
     folder = tmp_path_factory.mktemp(request.param)
     ref.save_pretrained(folder, safe_serialization=True)
     hf_tokenizer.save_pretrained(folder)
-    return ref, load_model(folder, dtype="float32", progress=False)
+    return ref, load_model(folder, dtype="float32", progress=False), folder
 
 
 def _prompt(n: int) -> list[int]:
@@ -103,7 +106,7 @@ def _theirs(ref, ids: list[int]) -> tuple[list[int], list[float]]:
 
 @pytest.mark.parametrize("length", [6, 60, 280])
 def test_greedy_tokens_and_logprobs_match_transformers(family, length):
-    ref, ours = family
+    ref, ours, _ = family
     ids = _prompt(length)
     (tokens, logprobs), = _ours(ours, [ids])
     want_tokens, want_logprobs = _theirs(ref, ids)
@@ -114,7 +117,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(family, length):
 def test_chunked_prefill_and_batching_give_the_same_tokens(family):
     """Prompts prefilled in chunks of 32 (each chunk's window reaching into earlier chunks), three at once, one of
     them sharing the first one's 70-token prefix."""
-    _, ours = family
+    _, ours, _ = family
     base = _prompt(280)
     prompts = [base, _prompt(60), base[:70] + _prompt(40)]
     alone = [_ours(ours, [p])[0] for p in prompts]
@@ -122,6 +125,17 @@ def test_chunked_prefill_and_batching_give_the_same_tokens(family):
     assert [t for t, _ in together] == [t for t, _ in alone]
     for (_, a), (_, b) in zip(together, alone):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="native kernels could not be built here (no C compiler)")
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_a_decode_step_runs_each_layer_as_one_native_call_bit_for_bit(family, quantization):
+    """At bf16 (weights packed, or quantized), a decode-only batch runs each layer (q/k norms, windows, Gemma's
+    norms and GELU included) as one native call: the same hidden states and stored keys and values, bit for bit, as
+    the layer's modules; rows of 50 and 90 positions see only their windows."""
+    _, _, folder = family
+    loaded = load_model(folder, dtype="bfloat16", quantization=quantization, progress=False)
+    whole_layer_against_modules(loaded.model, loaded.config, torch.tensor([1, 16, 50, 90]))
 
 
 def test_a_multimodal_gemma3_folder_serves_its_text_model(tmp_path, hf_tokenizer):

@@ -100,6 +100,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemm_bf16_packed.restype = None
     lib.rmsnorm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, f32]
     lib.rmsnorm_bf16.restype = None
+    lib.rmsnorm_gemma_bf16.argtypes = [ptr, ptr, ptr, i64, i64, f32]
+    lib.rmsnorm_gemma_bf16.restype = None
+    lib.gelu_mul_bf16.argtypes = [ptr, ptr, i64, i64]
+    lib.gelu_mul_bf16.restype = None
     lib.decode_attention_bf16.argtypes = [ptr] * 5 + [ctypes.c_int] + [ptr] * 6 + [i64] * 6 + [f32]
     lib.decode_attention_bf16.restype = None
     lib.gemm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
@@ -119,7 +123,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qdequant.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, ptr]
     lib.qdequant.restype = None
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
-    lib.decode_layer.argtypes += [ctypes.c_int] + [ptr] * 5 + [i64] * 5 + [f32]
+    lib.decode_layer.argtypes += [ctypes.c_int] + [ptr] * 5 + [i64] * 5 + [f32, ptr, ptr]
     lib.decode_layer.restype = None
     lib.moe_experts_bf16.argtypes = [ptr] * 6 + [i64] * 3 + [ptr]
     lib.moe_experts_bf16.restype = None
@@ -248,11 +252,26 @@ def _proj(weight, act: int) -> _Proj:
     return _Proj(None, parts, len(weight), act)
 
 
+class _LayerExt(ctypes.Structure):
+    """cpu_kernels.c's layer_ext_t: what a layer adds to Llama's for decode_layer."""
+
+    _fields_ = [("norm_kind", ctypes.c_int64)] + [
+        (name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "post_attn", "post_ff")
+    ] + [("act", ctypes.c_int64)]
+
+
+NORM_LLAMA, NORM_GEMMA = 0, 1  # cpu_kernels.c's norm kinds: bf16 weight, or float32 1 + weight
+ACT_SILU, ACT_GELU_TANH = 0, 1
+
+
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """One decoder layer's weights as decode_layer reads them: bf16 norms; each projection packed bf16 (gate/up in
-    pairs) or a QuantLinear's parts (a list of waferscale.models.quant.QuantWeight; gate/up: gate rows first); the
-    qkv bias in float32 (or None); act: how quantized projections take activations (as QuantLinear: quant.ACT_MODE)."""
+    """One decoder layer's weights as decode_layer reads them: norms (bf16 weights for NORM_LLAMA, float32 1 + weight
+    for NORM_GEMMA, every norm of the layer alike); each projection packed bf16 (gate/up in pairs for SiLU, plain
+    panels for GELU) or a QuantLinear's parts (a list of waferscale.models.quant.QuantWeight; gate/up: gate rows
+    first); the qkv bias in float32 (or None); act: how quantized projections take activations (as QuantLinear:
+    quant.ACT_MODE). Qwen3 and Gemma 3 add per-head q/k norms, Gemma its norms of each branch's output before the
+    residual add (post_attn, post_ff) and tanh-GELU (mlp_act)."""
 
     norm1: torch.Tensor
     qkv: torch.Tensor | list
@@ -264,11 +283,25 @@ class DecodeLayerWeights:
     down: torch.Tensor | list
     eps: float
     act: int = 0
+    norm_kind: int = NORM_LLAMA
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn: torch.Tensor | None = None
+    post_ff: torch.Tensor | None = None
+    mlp_act: int = ACT_SILU
 
     @functools.cached_property
     def descriptors(self) -> tuple[_Proj, _Proj, _Proj, _Proj]:
         """The four projections' proj_t, built once."""
         return tuple(_proj(w, self.act) for w in (self.qkv, self.o, self.gate_up, self.down))
+
+    @functools.cached_property
+    def ext(self) -> _LayerExt | None:
+        """The layer_ext_t, or None for a plain Llama layer."""
+        parts = (self.q_norm, self.k_norm, self.post_attn, self.post_ff)
+        if self.norm_kind == NORM_LLAMA and self.mlp_act == ACT_SILU and all(p is None for p in parts):
+            return None
+        return _LayerExt(self.norm_kind, *map(_ptr, parts), self.mlp_act)
 
 
 class ExpertWeights:
@@ -416,6 +449,19 @@ class NativeKernels:
         self.lib.rmsnorm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
         return y
 
+    def rmsnorm_gemma_bf16(self, x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+        """Hugging Face's Gemma3RMSNorm for bfloat16 x [M, D] (contiguous); weight_plus_one: float32 [D], 1 + weight."""
+        y = torch.empty_like(x)
+        self.lib.rmsnorm_gemma_bf16(x.data_ptr(), weight_plus_one.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+        return y
+
+    def gelu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """bf16(bf16(gelu_tanh(gate)) * up) for bfloat16 gate_up [M, 2 I] (contiguous, gate columns first)."""
+        m, two_i = gate_up.shape
+        y = torch.empty(m, two_i // 2, dtype=torch.bfloat16)
+        self.lib.gelu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), m, two_i // 2)
+        return y
+
     def decode_attention_bf16(
         self,
         qkv: torch.Tensor,
@@ -477,10 +523,13 @@ class NativeKernels:
         block_size: int,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        starts: torch.Tensor | None = None,
     ) -> None:
         """A whole decoder layer for decode rows, in place on h (bf16 [B, E], contiguous): the kernels its modules
         would call one by one (norm, qkv, decode_attention_bf16, o_proj + residual, norm, gate/up + SiLU, down +
-        residual), in one call, for bf16 or quantized projections. Other arguments as decode_attention_bf16."""
+        residual; and the q/k norms, branch norms and GELU its weights carry), in one call, for bf16 or quantized
+        projections. starts: int64 [B], each row's first visible position (a sliding window; None: 0). Other
+        arguments as decode_attention_bf16."""
         b, e = h.shape
         kvh, d = k_cache.shape[1], k_cache.shape[2]
         w = weights
@@ -514,6 +563,8 @@ class NativeKernels:
             tables.shape[1],
             block_size,
             scale,
+            None if w.ext is None else ctypes.addressof(w.ext),
+            _ptr(starts),
         )
 
     def moe_experts_bf16(

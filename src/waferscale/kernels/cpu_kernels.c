@@ -7,7 +7,8 @@
  *       gemm_bf16_silu_mul and gemm_bf16_add finish a Llama MLP's gate/up or a residual add in the same pass.
  *   gemm_f32: y = x W^T + b with float32 weights as loaded: MKL's float32 GEMMs, which PyTorch calls, are slow on
  *       AMD CPUs for few rows and give a row other bits at other batch sizes.
- *   rmsnorm_bf16, decode_attention_bf16: a layer's small ops for bf16 rows, each one call instead of many.
+ *   rmsnorm_bf16, rmsnorm_gemma_bf16, gelu_mul_bf16, decode_attention_bf16: a layer's small ops for bf16 rows,
+ *       each one call instead of many.
  *   decode_layer: a whole decoder layer for a batch of decodes, the kernels above (or quantized projections
  *       through quant_kernels.c's qgemm) in one call.
  *   argmax_logsumexp: the sampler's per-row argmax and log-sum-exp of the logits in one pass each.
@@ -762,45 +763,100 @@ void gemm_bf16_add(const void *x, int x_bf16, const uint16_t *wp, const float *b
     gemm_run(x, x_bf16, wp, bias, y, 1, residual, EPI_ADD, M, K, N);
 }
 
-/* Hugging Face's LlamaRMSNorm on bfloat16 rows: y = w * bf16(x * rsqrt(mean(x^2) + eps)), the product rounded to
- * bfloat16; the statistics in float32. x, y: [M, D]; w: [D]. */
-void rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t D, float eps) {
-#pragma omp parallel for schedule(static) if (M > 8)
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *xm = x + m * D;
-        uint16_t *ym = y + m * D;
-        float ss = 0.f;
+/* RMSNorm of one bfloat16 row of D values, r = 1 / sqrt(mean(x^2) + eps) in float32: Llama's (kind NORM_LLAMA, w
+ * bf16: y = bf16(w * bf16(x r)), Hugging Face's LlamaRMSNorm) or Gemma's (NORM_GEMMA, w float32 holding 1 + weight:
+ * y = bf16(x r w), Gemma3RMSNorm). One out-of-line function serves the modules' calls and decode_layer's, so both
+ * sum and round alike. y may be x. */
+enum { NORM_LLAMA = 0, NORM_GEMMA = 1 };
+
+__attribute__((noinline)) static void norm_row(const uint16_t *x, const void *w, int kind, uint16_t *y, int64_t D,
+                                               float eps) {
+    float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-        for (int64_t d = 0; d < D; d++) {
-            const float v = bf16_to_f32(xm[d]);
-            ss += v * v;
-        }
-        const float r = 1.f / sqrtf(ss / (float)D + eps);
-        for (int64_t d = 0; d < D; d++) {
-            const float h = bf16_to_f32(f32_to_bf16(bf16_to_f32(xm[d]) * r));
-            ym[d] = f32_to_bf16(bf16_to_f32(w[d]) * h);
-        }
+    for (int64_t d = 0; d < D; d++) {
+        const float v = bf16_to_f32(x[d]);
+        ss += v * v;
+    }
+    const float r = 1.f / sqrtf(ss / (float)D + eps);
+    if (kind == NORM_GEMMA) {
+        const float *wf = (const float *)w;
+        for (int64_t d = 0; d < D; d++) y[d] = f32_to_bf16(bf16_to_f32(x[d]) * r * wf[d]);
+        return;
+    }
+    const uint16_t *wb = (const uint16_t *)w;
+    for (int64_t d = 0; d < D; d++) {
+        const float h = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[d]) * r));
+        y[d] = f32_to_bf16(bf16_to_f32(wb[d]) * h);
     }
 }
 
-/* One decode step of a layer's attention for B sequences, from the qkv projection to the attention output, all
- * in one call: rope on q and k (Hugging Face's rotate-half form, each bf16 op rounded as torch rounds it), the new
- * key and value written to their pool slots, then paged_decode_attention's computation; output rounded to bf16.
- * qkv: bfloat16 [B, (H + 2 KVH) D]; cos, sin: bfloat16 [B, D] (each row's position); slots: int64 [B];
- * out: bfloat16 [B, H D]. */
-void decode_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, void *k_cache,
-                           void *v_cache, int fmt, float *k_scale, float *v_scale, const int64_t *slots,
-                           const int64_t *tables, const int64_t *lengths, uint16_t *out, int64_t B, int64_t H,
-                           int64_t KVH, int64_t D, int64_t W, int64_t block_size, float scale) {
+static void norm_rows(const uint16_t *x, const void *w, int kind, uint16_t *y, int64_t M, int64_t D, float eps) {
+#pragma omp parallel for schedule(static) if (M > 8)
+    for (int64_t m = 0; m < M; m++) norm_row(x + m * D, w, kind, y + m * D, D, eps);
+}
+
+/* Hugging Face's LlamaRMSNorm on bfloat16 rows x, y [M, D], bf16 weight w [D] (norm_row's NORM_LLAMA). */
+void rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t D, float eps) {
+    norm_rows(x, w, NORM_LLAMA, y, M, D, eps);
+}
+
+/* Gemma 3's RMSNorm on bfloat16 rows x, y [M, D]; w1: float32 [D], 1 + the weight (norm_row's NORM_GEMMA). */
+void rmsnorm_gemma_bf16(const uint16_t *x, const float *w1, uint16_t *y, int64_t M, int64_t D, float eps) {
+    norm_rows(x, w1, NORM_GEMMA, y, M, D, eps);
+}
+
+/* tanh-GELU: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as torch's gelu(approximate="tanh") in float32 */
+static inline float gelu_tanh(float x) {
+    const float inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+    return 0.5f * x * (1.f + tanhf(inner));
+}
+
+/* y [M, I] = bf16(bf16(gelu(gate)) * up) for gu [M, 2 I] bf16, gate columns first then up: Gemma's gated MLP
+ * middle, rounded as torch's bf16 ops round it (the modules' call and decode_layer's). */
+void gelu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t M, int64_t I) {
+#pragma omp parallel for schedule(static) if (M > 8)
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *g = gu + m * 2 * I, *u = g + I;
+        for (int64_t j = 0; j < I; j++)
+            y[m * I + j] = f32_to_bf16(round_bf16(gelu_tanh(bf16_to_f32(g[j]))) * bf16_to_f32(u[j]));
+    }
+}
+
+/* What a layer adds to Llama's for decode_layer (NULL: nothing): the kind of all its norms (norm_row); per-head
+ * norms of q and k before rope; norms of the attention's and the MLP's outputs before their residual adds (Gemma's
+ * sandwich); the MLP's activation. */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+typedef struct {
+    int64_t norm_kind;
+    const void *q_norm, *k_norm;     /* [D] each, or NULL */
+    const void *post_attn, *post_ff; /* [E] each, or NULL */
+    int64_t act;
+} layer_ext_t;
+
+/* decode_attention_bf16 below, with the per-head q and k norms of ext (may be NULL) before rope and each row's
+ * first visible position starts[b] (a sliding window; NULL: 0). */
+static void decode_attention_run(const uint16_t *qkv, const layer_ext_t *ext, float eps, const uint16_t *cos,
+                                 const uint16_t *sin, void *k_cache, void *v_cache, int fmt, float *k_scale,
+                                 float *v_scale, const int64_t *slots, const int64_t *tables, const int64_t *starts,
+                                 const int64_t *lengths, uint16_t *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                                 int64_t W, int64_t block_size, float scale) {
     const int64_t width = (H + 2 * KVH) * D, half = D / 2, row_len = KVH * D;
     float *q = (float *)malloc((size_t)(B * H * D) * sizeof(float));
     float *o = (float *)malloc((size_t)(B * H * D) * sizeof(float));
+    const void *q_norm = ext ? ext->q_norm : NULL, *k_norm = ext ? ext->k_norm : NULL;
+    const int kind = ext ? (int)ext->norm_kind : NORM_LLAMA;
 #pragma omp parallel for schedule(static) if (B > 1)
     for (int64_t b = 0; b < B; b++) {
         const uint16_t *src = qkv + b * width, *cb = cos + b * D, *sb = sin + b * D;
         /* rope over the H query heads and the KVH key heads, which lie next to each other in qkv */
         for (int64_t h = 0; h < H + KVH; h++) {
             const uint16_t *x = src + h * D;
+            const void *nw = h < H ? q_norm : k_norm;
+            uint16_t normed[512];
+            if (nw) {
+                norm_row(x, nw, kind, normed, D, eps);
+                x = normed;
+            }
             float roped[512];
             for (int64_t d = 0; d < D; d++) {
                 const float xd = bf16_to_f32(x[d]);
@@ -825,11 +881,24 @@ void decode_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
             }
         }
     }
-    paged_decode_attention(q, k_cache, v_cache, fmt, k_scale, v_scale, tables, lengths, o, B, H, KVH, D, W,
-                           block_size, scale);
+    paged_decode_attention_ex(q, k_cache, v_cache, fmt, k_scale, v_scale, tables, starts, lengths, NULL, o, B, H,
+                              KVH, D, W, block_size, scale);
     for (int64_t i = 0; i < B * H * D; i++) out[i] = f32_to_bf16(o[i]);
     free(q);
     free(o);
+}
+
+/* One decode step of a layer's attention for B sequences, from the qkv projection to the attention output, all
+ * in one call: rope on q and k (Hugging Face's rotate-half form, each bf16 op rounded as torch rounds it), the new
+ * key and value written to their pool slots, then paged_decode_attention's computation; output rounded to bf16.
+ * qkv: bfloat16 [B, (H + 2 KVH) D]; cos, sin: bfloat16 [B, D] (each row's position); slots: int64 [B];
+ * out: bfloat16 [B, H D]. */
+void decode_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, void *k_cache,
+                           void *v_cache, int fmt, float *k_scale, float *v_scale, const int64_t *slots,
+                           const int64_t *tables, const int64_t *lengths, uint16_t *out, int64_t B, int64_t H,
+                           int64_t KVH, int64_t D, int64_t W, int64_t block_size, float scale) {
+    decode_attention_run(qkv, NULL, 0.f, cos, sin, k_cache, v_cache, fmt, k_scale, v_scale, slots, tables, NULL,
+                         lengths, out, B, H, KVH, D, W, block_size, scale);
 }
 
 /* quant_kernels.c's GEMM over quantized weights */
@@ -867,29 +936,50 @@ static void proj_run(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, i
     }
 }
 
-/* One Llama decoder layer for decode rows only (row b: one sequence's next token), in place on the bf16 hidden
- * states h [M, E]: h += o(attention(rope(qkv(norm1(h))))), then h += down(silu(gate(x)) * up(x)) with
- * x = norm2(h). The same kernels, in the same order, as the layer's modules call one by one (bit-identical), in one
- * call: for a few rows, Python's per-module overhead is a sixth of a step. Projections as proj_t above (a quantized
- * gate/up: gate rows first, then silu * up as torch's bf16 ops round it); qkv_bias float32 or NULL; caches and the
- * attention arguments as decode_attention_bf16. */
-void decode_layer(uint16_t *h, int64_t M, int64_t E, const uint16_t *norm1, const proj_t *qkv_w, const float *qkv_bias,
-                  const proj_t *o_w, const uint16_t *norm2, const proj_t *gate_up_w, int64_t I, const proj_t *down_w,
+/* h[i] = bf16(h[i] + norm(y[i])) for bf16 rows h, y [M, E]: a Gemma sandwich norm's output and its residual add,
+ * as torch's ops round them (y is normalised in place). */
+static void add_normed(uint16_t *h, uint16_t *y, const void *w, int kind, int64_t M, int64_t E, float eps) {
+    norm_rows(y, w, kind, y, M, E, eps);
+    for (int64_t i = 0; i < M * E; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(y[i]));
+}
+
+/* One decoder layer for decode rows only (row b: one sequence's next token), in place on the bf16 hidden states
+ * h [M, E]. Llama's (ext NULL): h += o(attention(rope(qkv(norm1(h))))), then h += down(silu(gate(x)) * up(x))
+ * with x = norm2(h). ext adds what Qwen3 and Gemma 3 have (layer_ext_t): q/k norms before rope, a norm on each
+ * branch's output before its residual add, tanh-GELU, Gemma's norms; starts: each row's first visible position
+ * (a sliding window; NULL: none). The same kernels, in the same order, as the layer's modules call one by one
+ * (bit-identical), in one call: for a few rows, Python's per-module overhead is much of a step. Projections as
+ * proj_t above (a quantized gate/up: gate rows first, then silu * up as torch's bf16 ops round it); qkv_bias
+ * float32 or NULL; norms as norm_row takes them; caches and the attention arguments as decode_attention_bf16. */
+void decode_layer(uint16_t *h, int64_t M, int64_t E, const void *norm1, const proj_t *qkv_w, const float *qkv_bias,
+                  const proj_t *o_w, const void *norm2, const proj_t *gate_up_w, int64_t I, const proj_t *down_w,
                   float eps, const uint16_t *cos, const uint16_t *sin, void *k_cache, void *v_cache, int fmt,
-                  float *k_scale, float *v_scale, const int64_t *slots, const int64_t *tables, const int64_t *lengths, int64_t H, int64_t KVH,
-                  int64_t D, int64_t W, int64_t block_size, float scale) {
+                  float *k_scale, float *v_scale, const int64_t *slots, const int64_t *tables, const int64_t *lengths,
+                  int64_t H, int64_t KVH, int64_t D, int64_t W, int64_t block_size, float scale,
+                  const layer_ext_t *ext, const int64_t *starts) {
     const int64_t QKV = (H + 2 * KVH) * D;
+    const int kind = ext ? (int)ext->norm_kind : NORM_LLAMA;
     uint16_t *x = (uint16_t *)malloc((size_t)(M * E) * sizeof(uint16_t));
     uint16_t *qkv = (uint16_t *)malloc((size_t)(M * QKV) * sizeof(uint16_t));
     uint16_t *att = (uint16_t *)malloc((size_t)(M * H * D) * sizeof(uint16_t));
     uint16_t *act = (uint16_t *)malloc((size_t)(M * I) * sizeof(uint16_t));
-    rmsnorm_bf16(h, norm1, x, M, E, eps);
+    norm_rows(h, norm1, kind, x, M, E, eps);
     proj_run(qkv_w, x, M, E, QKV, qkv_bias, NULL, qkv, 1);
-    decode_attention_bf16(qkv, cos, sin, k_cache, v_cache, fmt, k_scale, v_scale, slots, tables, lengths, att, M,
-                          H, KVH, D, W, block_size, scale);
-    proj_run(o_w, att, M, H * D, E, NULL, h, h, 1);  /* each output reads its residual, then writes it */
-    rmsnorm_bf16(h, norm2, x, M, E, eps);
-    if (gate_up_w->packed) {
+    decode_attention_run(qkv, ext, eps, cos, sin, k_cache, v_cache, fmt, k_scale, v_scale, slots, tables, starts,
+                         lengths, att, M, H, KVH, D, W, block_size, scale);
+    if (ext && ext->post_attn) { /* h + norm(o(att)): o's output rounded to bf16, normalised, then added */
+        proj_run(o_w, att, M, H * D, E, NULL, NULL, x, 1);
+        add_normed(h, x, ext->post_attn, kind, M, E, eps);
+    } else {
+        proj_run(o_w, att, M, H * D, E, NULL, h, h, 1); /* each output reads its residual, then writes it */
+    }
+    norm_rows(h, norm2, kind, x, M, E, eps);
+    if (ext && ext->act == ACT_GELU_TANH) { /* gate/up in bf16 as the projection gives them, then gelu_mul_bf16 */
+        uint16_t *gu = (uint16_t *)malloc((size_t)(M * 2 * I) * sizeof(uint16_t));
+        proj_run(gate_up_w, x, M, E, 2 * I, NULL, NULL, gu, 1);
+        gelu_mul_bf16(gu, act, M, I);
+        free(gu);
+    } else if (gate_up_w->packed) {
         gemm_run(x, 1, gate_up_w->packed, NULL, act, 1, NULL, EPI_SILU_MUL, M, E, 2 * I);
     } else { /* float32 out: silu_mul_tile rounds gate and up to bf16 first, as the bf16 projection would */
         float *gu = (float *)malloc((size_t)(M * 2 * I) * sizeof(float));
@@ -897,7 +987,12 @@ void decode_layer(uint16_t *h, int64_t M, int64_t E, const uint16_t *norm1, cons
         for (int64_t m = 0; m < M; m++) silu_mul_tile(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
         free(gu);
     }
-    proj_run(down_w, act, M, I, E, NULL, h, h, 1);
+    if (ext && ext->post_ff) {
+        proj_run(down_w, act, M, I, E, NULL, NULL, x, 1);
+        add_normed(h, x, ext->post_ff, kind, M, E, eps);
+    } else {
+        proj_run(down_w, act, M, I, E, NULL, h, h, 1);
+    }
     free(x);
     free(qkv);
     free(att);

@@ -7,16 +7,56 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from waferscale.kernels import ACT_GELU_TANH, ACT_SILU, DecodeLayerWeights
 from waferscale.models.config import ModelConfig, embed_scale
 from waferscale.models.layers.embedding import Embedding
 from waferscale.models.layers.linear import Linear, LoadContext, put
 from waferscale.models.layers.moe import split_stacked_experts
 from waferscale.models.layers.norm import RMSNorm
 from waferscale.models.layers.rotary import Rotary
-from waferscale.models.quant import QuantWeight
+from waferscale.models.quant import ACT_MODE, QuantWeight
 
 # our fused projections and the checkpoint's tensors they are made of, in order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def layer_decode_weights(layer: nn.Module, norms: tuple, branch_norms: tuple = (None, None)):
+    """A decoder layer's weights for the whole-layer decode call (its `self_attn`, `mlp`, the two pre-norms `norms`
+    and, for Gemma's sandwich, the norms of each branch's output), or None where a part of it is not native: each
+    projection bf16 packed (gate/up in pairs for SiLU) or quantized, native norms of one kind, attention without
+    sinks, no output biases."""
+    attn, mlp = layer.self_attn, layer.mlp
+    all_norms = [n for n in (*norms, *branch_norms, attn.q_norm, attn.k_norm) if n is not None]
+    if not (attn.native_decode and all(n.native for n in all_norms)):
+        return None
+    if len({type(n).kind for n in all_norms}) != 1:
+        return None
+    qkv, o, down = (p.method.decode_weight() for p in (attn.qkv_proj, attn.o_proj, mlp.down_proj))
+    gate_up = mlp.decode_gate_up()
+    if any(w is None for w in (qkv, o, gate_up, down)):
+        return None
+    if any(p.bias is not None for p in (attn.o_proj, mlp.down_proj, mlp.gate_up_proj)):
+        return None
+    q_norm, k_norm = attn.decode_norms()
+    post_attn, post_ff = (None if n is None else n.decode_weight() for n in branch_norms)
+    return DecodeLayerWeights(
+        norm1=norms[0].decode_weight(),
+        qkv=qkv,
+        qkv_bias=attn.qkv_proj.method.decode_bias(),
+        o=o,
+        norm2=norms[1].decode_weight(),
+        gate_up=gate_up,
+        inter=mlp.inter,
+        down=down,
+        eps=norms[0].eps,
+        act=ACT_MODE,
+        norm_kind=all_norms[0].kind,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        post_attn=post_attn,
+        post_ff=post_ff,
+        mlp_act=ACT_SILU if mlp.act == "silu" else ACT_GELU_TANH,
+    )
 
 
 class CausalLM(nn.Module):

@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from waferscale.models.base import CausalLM
+from waferscale.kernels import DecodeLayerWeights
+from waferscale.models.base import CausalLM, layer_decode_weights
 from waferscale.models.config import ModelConfig
-from waferscale.models.layers.attention import Attention
+from waferscale.models.layers.attention import Attention, fused_decode_layer
 from waferscale.models.layers.mlp import GatedMLP
 from waferscale.models.layers.norm import GemmaRMSNorm
 
@@ -41,9 +42,18 @@ class Gemma3DecoderLayer(nn.Module):
         h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, kv, index))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
-    def decode_weights(self) -> None:
-        """Not one native call: the whole-layer decode kernel is Llama's layer."""
-        return None
+    def decode_weights(self) -> DecodeLayerWeights | None:
+        """The layer's weights for the whole-layer decode call (Gemma's norms, q/k norms, sandwich norms, GELU), or
+        None where a part of it is not native."""
+        return layer_decode_weights(
+            self,
+            (self.input_layernorm, self.pre_feedforward_layernorm),
+            (self.post_attention_layernorm, self.post_feedforward_layernorm),
+        )
+
+    def decode_native(self, kv, index: int, h: torch.Tensor, rope, weights: DecodeLayerWeights) -> None:
+        """This layer for decode rows in one native call, in place on h."""
+        fused_decode_layer(kv, index, h, rope, weights, self.self_attn)
 
 
 class Gemma3ForCausalLM(CausalLM):

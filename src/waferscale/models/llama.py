@@ -7,12 +7,11 @@ import torch
 from torch import nn
 
 from waferscale.kernels import DecodeLayerWeights
-from waferscale.models.base import CausalLM
+from waferscale.models.base import CausalLM, layer_decode_weights
 from waferscale.models.config import ModelConfig
 from waferscale.models.layers.attention import Attention, fused_decode_layer
 from waferscale.models.layers.mlp import GatedMLP
 from waferscale.models.layers.norm import RMSNorm
-from waferscale.models.quant import ACT_MODE
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -41,34 +40,12 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
     def decode_weights(self) -> DecodeLayerWeights | None:
-        """The layer's weights for the whole-layer decode call, or None where a part of it is not native (each
-        projection bf16 packed, gate/up in pairs, or quantized; plain attention; no output biases)."""
-        attn, mlp = self.self_attn, self.mlp
-        if not (attn.plain and self.input_layernorm.native and self.post_attention_layernorm.native):
-            return None
-        qkv, o, down = (p.method.decode_weight() for p in (attn.qkv_proj, attn.o_proj, mlp.down_proj))
-        gate_up = mlp.decode_gate_up()
-        if any(w is None for w in (qkv, o, gate_up, down)):
-            return None
-        if any(p.bias is not None for p in (attn.o_proj, mlp.down_proj, mlp.gate_up_proj)):
-            return None
-        return DecodeLayerWeights(
-            norm1=self.input_layernorm.weight,
-            qkv=qkv,
-            qkv_bias=attn.qkv_proj.method.decode_bias(),
-            o=o,
-            norm2=self.post_attention_layernorm.weight,
-            gate_up=gate_up,
-            inter=mlp.inter,
-            down=down,
-            eps=self.input_layernorm.eps,
-            act=ACT_MODE,
-        )
+        """The layer's weights for the whole-layer decode call, or None where a part of it is not native."""
+        return layer_decode_weights(self, (self.input_layernorm, self.post_attention_layernorm))
 
     def decode_native(self, kv, index: int, h: torch.Tensor, rope, weights: DecodeLayerWeights) -> None:
         """This layer for decode rows in one native call, in place on h."""
-        attn = self.self_attn
-        fused_decode_layer(kv, index, h, rope, weights, attn.num_heads, attn.scale)
+        fused_decode_layer(kv, index, h, rope, weights, self.self_attn)
 
 
 class LlamaForCausalLM(CausalLM):

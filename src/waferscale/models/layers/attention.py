@@ -159,11 +159,14 @@ def fused_decode_attention(plan, layer: int, qkv: torch.Tensor, rope, num_heads:
     )
 
 
-def fused_decode_layer(plan, layer: int, h: torch.Tensor, rope, weights, num_heads: int, scale: float) -> None:
-    """A whole Llama-style decoder layer for decode rows only, in place on h (bf16 [B, E]); weights:
-    waferscale.kernels.DecodeLayerWeights."""
+def fused_decode_layer(plan, layer: int, h: torch.Tensor, rope, weights, attn: Attention) -> None:
+    """A whole decoder layer for decode rows only, in place on h (bf16 [B, E]), with `attn`'s heads, scale and
+    window; weights: waferscale.kernels.DecodeLayerWeights."""
     args, scales = _decode_args(plan, layer, rope, h.shape[0])
-    plan.native.decode_layer_bf16(h, weights, *args, num_heads, scale, plan.pool.block_size, **scales)
+    starts = _window_starts(plan.layer(layer)[0], attn.window)
+    plan.native.decode_layer_bf16(
+        h, weights, *args, attn.num_heads, attn.scale, plan.pool.block_size, **scales, starts=starts
+    )
 
 
 class Attention(nn.Module):
@@ -195,6 +198,18 @@ class Attention(nn.Module):
         self.q_norm = qk_norm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = qk_norm(head_dim, norm_eps) if qk_norm else None
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
+
+    @property
+    def native_decode(self) -> bool:
+        """Whether the whole-layer decode call can run this attention (q/k norms through the native kernel; a
+        window; no sinks)."""
+        return self.sinks is None and (self.q_norm is None or (self.q_norm.native and self.k_norm.native))
+
+    def decode_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The q and k norms' weights as the whole-layer decode call reads them (None: no norms)."""
+        if self.q_norm is None:
+            return None, None
+        return self.q_norm.decode_weight(), self.k_norm.decode_weight()
 
     @property
     def plain(self) -> bool:

@@ -30,6 +30,7 @@ def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, 
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 # activations of (gate, up) that are not act(gate) * up
 GATED_ACTIVATIONS = {"swiglu_clamped": _clamped_swiglu}
 
@@ -65,6 +66,9 @@ class GatedMLP(nn.Module):
         proj = self.gate_up_proj
         if self.gate_up_pairs is not None or proj.method is not None:
             return
+        if self.act in GELU_TANH and ctx.kernels is not None and ctx.dtype == torch.bfloat16:
+            self.kernels = ctx.kernels  # bf16 rows take the native gelu-and-multiply (as the whole-layer call does)
+            return
         if (
             self.act != "silu"
             or proj.bias is not None
@@ -82,7 +86,10 @@ class GatedMLP(nn.Module):
             proj.method = TorchMethod(proj.weight, proj.bias, ctx.hardware_bf16)
 
     def decode_gate_up(self):
-        """gate/up as the whole-layer decode kernel reads it (packed pairs or quantized parts), or None."""
+        """gate/up as the whole-layer decode kernel reads it (SiLU: packed pairs or quantized parts; tanh-GELU:
+        the projection's packed panels or parts), or None."""
+        if self.act in GELU_TANH:
+            return self.gate_up_proj.method.decode_weight() if self.kernels is not None else None
         if self.act != "silu":
             return None
         if self.gate_up_pairs is not None:
@@ -96,6 +103,12 @@ class GatedMLP(nn.Module):
         """down(act(gate(x)) * up(x)), plus `residual` when given."""
         if self.gate_up_pairs is not None and x.dtype == torch.bfloat16 and within(x.shape[0], self.pair_rows):
             act = self.kernels.linear_silu_mul_bf16(x, self.gate_up_pairs, self.inter)
+        elif self.kernels is not None and self.act in GELU_TANH and x.dtype == torch.bfloat16 and x.dim() == 2:
+            gate_up = self.gate_up_proj(x)
+            act = self.kernels.gelu_mul_bf16(gate_up.contiguous()) if gate_up.dtype == torch.bfloat16 else None
+            if act is None:  # a method that answered in another dtype
+                gate, up = gate_up.split([self.inter, self.inter], dim=-1)
+                act = ACTIVATIONS[self.act](gate) * up
         else:
             gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
             gated = GATED_ACTIVATIONS.get(self.act)
