@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_kernels import whole_layer_against_modules
 
 from waferscale import kernels

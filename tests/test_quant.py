@@ -115,16 +115,26 @@ INT8_ROWS_K, INT8_ROWS_Q8 = 16, 12
 FLOAT32, INT8, AUTO = 0, 1, 2
 
 
-def _int8_block(w: QuantWeight, act: int, rows: int) -> int | None:
+def _eight_bit(w: QuantWeight) -> bool:
+    """Q8_0, Q5_0 and --quantization int8's layout: signed bytes, a scale per 32, no mins."""
+    return w.bits == 8 and w.signed and w.group == 32 and w.mins is None and w.scale_format != 2
+
+
+def _amx_rows(w: QuantWeight, act: int, rows: int, amx: bool) -> bool:
+    """Whether auto multiplies this batch by AMX tiles (8-bit blocks from INT8_ROWS_Q8 rows, where the CPU has
+    AMX): int8 activations per 32 as below that size, the blocks' sums added in another order."""
+    return amx and act == AUTO and _eight_bit(w) and rows >= INT8_ROWS_Q8
+
+
+def _int8_block(w: QuantWeight, act: int, rows: int, amx: bool = False) -> int | None:
     """The block over which a mode rounds activations to int8 for this weight and batch, or None (float32)."""
-    if act == INT8:
+    if act == INT8 or _amx_rows(w, act, rows, amx):
         return 32
     if act != AUTO or not native_avx2():
         return None
     if w.scale_format == 2 and w.in_features % 256 == 0:  # the K-quants: per 256, integer sums over each super-block
         return 256 if rows < INT8_ROWS_K else None
-    eight_bit = w.bits == 8 and w.signed and w.group == 32 and w.mins is None  # Q8_0, --quantization int8
-    return 32 if eight_bit and rows < INT8_ROWS_Q8 else None
+    return 32 if _eight_bit(w) and rows < INT8_ROWS_Q8 else None
 
 
 def native_avx2() -> bool:
@@ -133,17 +143,23 @@ def native_avx2() -> bool:
 
 
 def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
+    amx = lib.set_amx(True)
     for rows in (1, 3, 6, 9, 13, 17):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
         want = x @ dense.T
         y, one = torch.empty(rows, w.out_features), torch.empty(1, w.out_features)
         for act in (FLOAT32, INT8, AUTO):
-            block = _int8_block(w, act, rows)
+            block = _int8_block(w, act, rows, amx)
             lib.qgemm(x, w, y, act=act)
             # each row's result does not depend on the others in the batch (within one path)
             lib.qgemm(x[-1:].contiguous(), w, one, act=act)
             alone_same_path = _int8_block(w, act, 1) == block  # auto: 17 rows are float32, 1 is int8
-            if block or rows < PANEL_ROWS:
+            if _amx_rows(w, act, rows, amx):  # the tiles: the fewest rows that take them too
+                part = torch.empty(INT8_ROWS_Q8, w.out_features)
+                lib.qgemm(x[-INT8_ROWS_Q8:].contiguous(), w, part, act=act)
+                assert torch.equal(part[-1], y[-1])
+                assert ((one[0] - y[-1]).norm() / y[-1].norm()) < 1e-5  # the same products, summed otherwise
+            elif block or rows < PANEL_ROWS:
                 assert torch.equal(one[0], y[-1])
             else:  # the panels: the fewest rows that take them too
                 fewer = next(n for n in range(PANEL_ROWS, rows + 1) if _int8_block(w, act, n) is None)
@@ -178,6 +194,31 @@ def test_integer_kernel_matches_float_reference(kind):
         w = from_gguf(blocks, kind, n, k)
         dense = reference(kind, blocks).reshape(n, k)
     _check_matmul(w, dense, native)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+def test_amx_tiles_give_each_row_the_single_row_sums(kind):
+    """Where the CPU has AMX, auto multiplies 8-bit blocks from 12 rows by tiles: 33 rows (two tile groups and a
+    part) against 100 weight rows (three 32-row tasks and 4 rows past them) give each row, bias included, the sums the
+    row alone gets from the integer path (the same int8 products, added in another order); bf16 out with a residual
+    is those sums rounded as torch rounds them."""
+    if not native.set_amx(True):
+        pytest.skip("no AMX on this CPU (or the OS does not grant it)")
+    n, k, rows = 100, 640, 33
+    w = from_gguf(random_blocks(kind, n, k, seed=5), kind, n, k)
+    gen = torch.Generator().manual_seed(6)
+    x, bias = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+    residual = torch.randn(rows, n, generator=gen).bfloat16()
+    y = torch.empty(rows, n)
+    native.qgemm(x, w, y, bias=bias, act=AUTO)
+    for r in range(rows):
+        one = torch.empty(1, n)
+        native.qgemm(x[r : r + 1].contiguous(), w, one, bias=bias, act=AUTO)
+        assert ((one[0] - y[r]).norm() / one[0].norm()) < 1e-5, r
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    native.qgemm(x, w, out, bias=bias, residual=residual, act=AUTO)
+    assert torch.equal(out, residual + y.bfloat16())
 
 
 # every layout the float32 kernels specialise on: int8 signed g32 (Q8_0, Q5_0), int8 signed g16 (Q6_K), int8 unsigned

@@ -122,6 +122,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qgemm.restype = None
     lib.qdequant.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, ptr]
     lib.qdequant.restype = None
+    lib.qgemm_set_amx.argtypes = [ctypes.c_int]
+    lib.qgemm_set_amx.restype = ctypes.c_int
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
     lib.decode_layer.argtypes += [ctypes.c_int] + [ptr] * 5 + [i64] * 5 + [f32, ptr, ptr]
     lib.decode_layer.restype = None
@@ -618,6 +620,11 @@ class NativeKernels:
         idx = torch.empty(b, dtype=torch.int64)
         self.lib.masked_argmax(logits.data_ptr(), b, v, bitmask.data_ptr(), bitmask.shape[1], idx.data_ptr())
         return idx.tolist()
+
+    def set_amx(self, on: bool) -> bool:
+        """Let qgemm use AMX tiles where the CPU and the OS allow (on, the default) or not (tests of the other
+        paths); returns whether it is in use."""
+        return bool(self.lib.qgemm_set_amx(int(on)))
 
     def qgemm(
         self,

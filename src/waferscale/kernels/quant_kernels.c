@@ -19,8 +19,9 @@
  *       depends only on that row, never on the batch.
  *   auto (the default): below INT8_ROWS_K rows (16) the two-level layouts (K-quants, int4) with activations rounded
  *       to int8 per 256 and integer sums over each super-block (gemm_k), and below INT8_ROWS_Q8 (12) 8-bit blocks
- *       (Q8_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp multiplies them; float32 for
- *       everything else (Q4_0, Q4_1, larger batches).
+ *       (Q8_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp multiplies them; from INT8_ROWS_Q8
+ *       rows, on CPUs with AMX, 8-bit blocks the same way by tiles (gemm_q8_amx); float32 for everything else
+ *       (Q4_0, Q4_1, larger batches).
  * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
  */
 #include <math.h>
@@ -955,7 +956,146 @@ static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     free(xq);
     free(xs);
 }
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+#define WQ_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* 8-bit blocks for batches from INT8_ROWS_Q8 rows, on CPUs with AMX: the same int8 activations per 32 as gemm_q8,
+ * each block's products summed by the tile unit. A = 16 weight rows x one 32-weight block, read in place (row stride
+ * K); B = the block of 16 input rows in the tile unit's 4-byte-interleaved layout, made once per call; C [16 weight
+ * rows][16 input rows] int32, then scaled (weight scale x row scale) into float32 sums, block by block, as gemm_q8
+ * does (another order of the float32 adds). Weight rows past the last multiple of 16 go through q8rows. */
+static int amx_state = -1; /* -1 not asked yet, 0 unavailable or off, 1 on */
+
+static int amx_on(void) {
+    if (amx_state < 0) /* Linux gives a process the tile data state on request (ARCH_REQ_XCOMP_PERM, XTILEDATA) */
+        amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+static void gemm_q8_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const sc_t *ws,
+                        const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+    const int64_t nb = K / QB, mg = (M + 15) / 16, tasks = N / 32;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    quantize_rows(x, x_bf16, M, K, QB, xq, xs, NULL, NULL);
+    /* B tiles [mg][nb][8][64]: byte 4 m + j of row r holds xq[16 g + m][32 b + 4 r + j]; rows past M are 0 */
+    int8_t *bt = (int8_t *)aligned_alloc(64, (size_t)(mg * nb * 512)); /* tile rows on cache lines */
+    memset(bt, 0, (size_t)(mg * nb * 512));
+    float *xst = (float *)calloc((size_t)(mg * nb * 16), sizeof(float)); /* [mg][nb][16] row scales */
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            int8_t *tile = bt + ((m / 16) * nb + b) * 512;
+            const int8_t *src = xq + m * K + b * QB;
+            for (int64_t k = 0; k < QB; k += 4) memcpy(tile + (k / 4) * 64 + (m % 16) * 4, src + k, 4);
+            xst[((m / 16) * nb + b) * 16 + m % 16] = xs[m * nb + b];
+        }
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 4; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* C: 16 weight rows x 16 int32 */
+    for (int i = 4; i < 6; i++) cfg.rows[i] = 16, cfg.colsb[i] = 32; /* A: 16 weight rows x 32 int8 */
+    for (int i = 6; i < 8; i++) cfg.rows[i] = 8, cfg.colsb[i] = 64;  /* B: 8 rows of 16 x 4 int8 */
+    /* a task: 32 weight rows (two A tiles) against the input rows, 32 at a time (two B tiles): four C tiles a
+     * block, whose products run side by side */
+#pragma omp parallel
+    {
+        _tile_loadconfig(&cfg);
+        int32_t c[4][16][16] __attribute__((aligned(64)));
+        float *wsf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] the task's weight scales */
+        __m512 acc[2][32];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t n0 = 32 * t;
+            for (int i = 0; i < 32; i++) {
+                const sc_t sr = sc_row(*ws, n0 + i, nb);
+                for (int64_t b = 0; b < nb; b++) wsf[b * 32 + i] = sc_at(&sr, b);
+            }
+            /* the next task's rows (contiguous) are asked for ahead, spread over this one's blocks: the tile loads
+             * walk 32 rows at once, which the hardware prefetchers follow poorly */
+            const char *next = (const char *)(w + (n0 + 32) * K);
+            const int64_t lines = t + 1 < tasks ? 32 * K / 64 : 0, per = (lines + nb - 1) / nb;
+            for (int64_t g0 = 0; g0 < mg; g0 += 2) {
+                const int two = g0 + 1 < mg;
+                for (int gi = 0; gi < 2; gi++)
+                    for (int i = 0; i < 32; i++) acc[gi][i] = _mm512_setzero_ps();
+                for (int64_t b = 0; b < nb; b++) {
+                    if (g0 == 0)
+                        for (int64_t l = b * per; l < (b + 1) * per && l < lines; l++)
+                            _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+                    _tile_loadd(4, w + n0 * K + b * QB, K);
+                    _tile_loadd(5, w + (n0 + 16) * K + b * QB, K);
+                    _tile_loadd(6, bt + (g0 * nb + b) * 512, 64);
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_dpbssd(0, 4, 6);
+                    _tile_dpbssd(1, 5, 6);
+                    if (two) {
+                        _tile_loadd(7, bt + ((g0 + 1) * nb + b) * 512, 64);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        _tile_dpbssd(2, 4, 7);
+                        _tile_dpbssd(3, 5, 7);
+                    }
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    if (two) {
+                        _tile_stored(2, c[2], 64);
+                        _tile_stored(3, c[3], 64);
+                    }
+                    const float *wb = wsf + b * 32;
+                    for (int gi = 0; gi < 1 + two; gi++) {
+                        const __m512 xsv = _mm512_loadu_ps(xst + ((g0 + gi) * nb + b) * 16);
+                        for (int i = 0; i < 32; i++) {
+                            const __m512 p = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)c[2 * gi + i / 16][i % 16]));
+                            acc[gi][i] = _mm512_fmadd_ps(p, _mm512_mul_ps(_mm512_set1_ps(wb[i]), xsv), acc[gi][i]);
+                        }
+                    }
+                }
+                for (int gi = 0; gi < 1 + two; gi++) {
+                    const int64_t m0 = 16 * (g0 + gi), rows = M - m0 < 16 ? M - m0 : 16;
+                    for (int i = 0; i < 32; i++) {
+                        float v[16];
+                        _mm512_storeu_ps(v, acc[gi][i]);
+                        for (int64_t m = 0; m < rows; m++) put(v[m], m0 + m, n0 + i, bias, res, out, out_bf16, ldo);
+                    }
+                }
+            }
+        }
+        free(wsf);
+        _tile_release();
+    }
+    if (tasks * 32 < N) q8rows(xq, xs, M, K, w, ws, tasks * 32, N, bias, res, out, out_bf16, ldo);
+    free(bt);
+    free(xst);
+    free(xq);
+    free(xs);
+}
 #endif
+#endif
+
+/* AMX on or off for this process (tests take the other paths with it off); returns whether it is on */
+int qgemm_set_amx(int on) {
+#ifdef WQ_AMX
+    if (!on) amx_state = 0;
+    else {
+        amx_state = -1;
+        amx_on();
+    }
+    return amx_state;
+#else
+    (void)on;
+    return 0;
+#endif
+}
 
 /* out[m, n] (row stride ldo) = sum_k x[m, k] * W[n, k] (+ bias[n]) for W [N, K] in one of the layouts above: bits
  * 8 (sgn: signed values) or 4; scales and mins (or NULL) [N, K / G] in format sfmt (SC_*): float32, float16, or
@@ -976,6 +1116,12 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         gemm_q8(x, x_bf16, M, K, w, scales, bias, res, out, out_bf16, ldo, N);
         return;
     }
+#ifdef WQ_AMX
+    if (act == ACT_AUTO && gemm_q8_serves(bits, sgn, G, sfmt, mins_v) && amx_on()) {
+        gemm_q8_amx(x, x_bf16, M, K, w, scales, bias, res, out, out_bf16, ldo, N);
+        return;
+    }
+#endif
 #endif
     if (act != ACT_INT8) {
         const int small = M < PANEL_ROWS;
