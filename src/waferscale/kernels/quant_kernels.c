@@ -1060,12 +1060,23 @@ static void gemm_q8_amx(const void *x, int x_bf16, int64_t M, int64_t K, const u
                         }
                     }
                 }
-                for (int gi = 0; gi < 1 + two; gi++) {
+                for (int gi = 0; gi < 1 + two; gi++) { /* acc holds a weight row's sums across the input rows:
+                                                           * turned into input rows of 32 sums, each written whole */
                     const int64_t m0 = 16 * (g0 + gi), rows = M - m0 < 16 ? M - m0 : 16;
-                    for (int i = 0; i < 32; i++) {
-                        float v[16];
-                        _mm512_storeu_ps(v, acc[gi][i]);
-                        for (int64_t m = 0; m < rows; m++) put(v[m], m0 + m, n0 + i, bias, res, out, out_bf16, ldo);
+                    float v[32][16], r[16][32] __attribute__((aligned(64)));
+                    for (int i = 0; i < 32; i++) _mm512_storeu_ps(v[i], acc[gi][i]);
+                    for (int64_t m = 0; m < rows; m++)
+                        for (int i = 0; i < 32; i++) r[m][i] = v[i][m];
+                    for (int64_t m = 0; m < rows; m++) {
+                        if (!out_bf16) {
+                            float *o = (float *)out + (m0 + m) * ldo + n0;
+                            for (int h = 0; h < 2; h++) {
+                                __m512 y = _mm512_load_ps(r[m] + 16 * h);
+                                if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + n0 + 16 * h));
+                                _mm512_storeu_ps(o + 16 * h, y);
+                            }
+                        } else
+                            for (int i = 0; i < 32; i++) put(r[m][i], m0 + m, n0 + i, bias, res, out, out_bf16, ldo);
                     }
                 }
             }
