@@ -1054,9 +1054,15 @@ static void gemm_q8_amx(const void *x, int x_bf16, int64_t M, int64_t K, const u
                     const float *wb = wsf + b * 32;
                     for (int gi = 0; gi < 1 + two; gi++) {
                         const __m512 xsv = _mm512_loadu_ps(xst + ((g0 + gi) * nb + b) * 16);
-                        for (int i = 0; i < 32; i++) {
-                            const __m512 p = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)c[2 * gi + i / 16][i % 16]));
-                            acc[gi][i] = _mm512_fmadd_ps(p, _mm512_mul_ps(_mm512_set1_ps(wb[i]), xsv), acc[gi][i]);
+                        for (int h = 0; h < 2; h++) { /* tile 2 gi + h: weight rows 16 h .. 16 h + 15 */
+                            const int32_t(*ct)[16] = c[2 * gi + h];
+                            __m512 *a = acc[gi] + 16 * h;
+                            const float *wh = wb + 16 * h;
+#pragma GCC unroll 16
+                            for (int i = 0; i < 16; i++) {
+                                const __m512 p = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)ct[i]));
+                                a[i] = _mm512_fmadd_ps(p, _mm512_mul_ps(_mm512_set1_ps(wh[i]), xsv), a[i]);
+                            }
                         }
                     }
                 }
