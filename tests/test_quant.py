@@ -121,9 +121,13 @@ def _eight_bit(w: QuantWeight) -> bool:
 
 
 def _amx_rows(w: QuantWeight, act: int, rows: int, amx: bool) -> bool:
-    """Whether auto multiplies this batch by AMX tiles (8-bit blocks from INT8_ROWS_Q8 rows, where the CPU has
-    AMX): int8 activations per 32 as below that size, the blocks' sums added in another order."""
-    return amx and act == AUTO and _eight_bit(w) and rows >= INT8_ROWS_Q8
+    """Whether auto multiplies this batch by AMX tiles where the CPU has AMX: 8-bit blocks from INT8_ROWS_Q8 rows,
+    the two-level layouts grouped by 32 (Q4_K, Q5_K) from INT8_ROWS_K; int8 activations per 32."""
+    if not (amx and act == AUTO):
+        return False
+    if _eight_bit(w):
+        return rows >= INT8_ROWS_Q8
+    return w.scale_format == 2 and w.group == 32 and not w.signed and rows >= INT8_ROWS_K
 
 
 def _int8_block(w: QuantWeight, act: int, rows: int, amx: bool = False) -> int | None:
@@ -155,10 +159,12 @@ def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
             lib.qgemm(x[-1:].contiguous(), w, one, act=act)
             alone_same_path = _int8_block(w, act, 1) == block  # auto: 17 rows are float32, 1 is int8
             if _amx_rows(w, act, rows, amx):  # the tiles: the fewest rows that take them too
-                part = torch.empty(INT8_ROWS_Q8, w.out_features)
-                lib.qgemm(x[-INT8_ROWS_Q8:].contiguous(), w, part, act=act)
+                fewest = INT8_ROWS_Q8 if _eight_bit(w) else INT8_ROWS_K
+                part = torch.empty(fewest, w.out_features)
+                lib.qgemm(x[-fewest:].contiguous(), w, part, act=act)
                 assert torch.equal(part[-1], y[-1])
-                assert ((one[0] - y[-1]).norm() / y[-1].norm()) < 1e-5  # the same products, summed otherwise
+                if _eight_bit(w):  # the same products as one row's, summed otherwise (K-quants: per 256 alone)
+                    assert ((one[0] - y[-1]).norm() / y[-1].norm()) < 1e-5
             elif block or rows < PANEL_ROWS:
                 assert torch.equal(one[0], y[-1])
             else:  # the panels: the fewest rows that take them too
@@ -197,22 +203,30 @@ def test_integer_kernel_matches_float_reference(kind):
 
 
 @needs_native
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
-def test_amx_tiles_give_each_row_the_single_row_sums(kind):
-    """Where the CPU has AMX, auto multiplies 8-bit blocks from 12 rows by tiles: 33 rows (two tile groups and a
-    part) against 100 weight rows (three 32-row tasks and 4 rows past them) give each row, bias included, the sums the
-    row alone gets from the integer path (the same int8 products, added in another order); bf16 out with a residual
-    is those sums rounded as torch rounds them."""
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_K", "Q5_K"])
+def test_amx_tiles_give_each_row_the_integer_sums(kind):
+    """Where the CPU has AMX, auto multiplies 8-bit blocks from 12 rows, and Q4_K and Q5_K from 16, by tiles: 33
+    rows (two tile groups and a part) against 100 weight rows (three 32-row tasks and 4 rows past them) give each
+    row, bias included, the products of its int8 activations (per 32) with the weights as the int8 mode sums them,
+    within float32 rounding; 8-bit blocks, the sums the row alone gets (the same products, added in another order);
+    bf16 out with a residual is those sums rounded as torch rounds them."""
     if not native.set_amx(True):
         pytest.skip("no AMX on this CPU (or the OS does not grant it)")
-    n, k, rows = 100, 640, 33
+    n, rows = 100, 33
+    k = 768 if kind.endswith("_K") else 640
     w = from_gguf(random_blocks(kind, n, k, seed=5), kind, n, k)
     gen = torch.Generator().manual_seed(6)
     x, bias = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
     residual = torch.randn(rows, n, generator=gen).bfloat16()
     y = torch.empty(rows, n)
     native.qgemm(x, w, y, bias=bias, act=AUTO)
-    for r in range(rows):
+    products = torch.empty(rows, n)  # act=int8: every layout's int8 products per 32, without tiles
+    native.qgemm(x, w, products, bias=bias, act=INT8)
+    assert ((y - products).norm() / products.norm()) < 1e-5
+    dense = torch.empty(rows, n)
+    native.qgemm(x, w, dense, bias=bias, act=FLOAT32)
+    assert ((y - dense).norm() / dense.norm()) < 0.01  # and int8 activations stay close to float32's
+    for r in range(rows if not kind.endswith("_K") else 0):
         one = torch.empty(1, n)
         native.qgemm(x[r : r + 1].contiguous(), w, one, bias=bias, act=AUTO)
         assert ((one[0] - y[r]).norm() / one[0].norm()) < 1e-5, r

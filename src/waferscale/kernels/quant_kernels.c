@@ -981,22 +981,64 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
-static void gemm_q8_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const sc_t *ws,
-                        const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
-    const int64_t nb = K / QB, mg = (M + 15) / 16, tasks = N / 32;
+/* what the tiles serve under auto, from the batch sizes where the other integer paths stop: 8-bit
+ * blocks without mins (Q8_0, Q5_0, int8) from INT8_ROWS_Q8 rows; the two-level layouts grouped by 32 (Q4_K, Q5_K,
+ * int4 where K allows) from INT8_ROWS_K, activations per 32 (finer than gemm_k's per 256). Q6_K (groups of 16) and
+ * the one-level 4-bit blocks (Q4_0, Q4_1, whose int8 activations cost accuracy) keep the float32 panels. */
+static int gemm_amx_serves(int64_t M, int bits, int sgn, int64_t G, int sfmt, const void *mins) {
+    if (gemm_q8_serves(bits, sgn, G, sfmt, mins)) return M >= INT8_ROWS_Q8;
+    return M >= INT8_ROWS_K && sfmt == SC_TWO_LEVEL && G == QB && !sgn && (bits == 4 || bits == 8);
+}
+
+/* the integer sums of weight rows n0 .. n1 against every input row, one at a time, then scaled as the tiles' are:
+ * the rows past the last multiple of 32 in gemm_amx (plain C: at most 31 rows) */
+static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t M, int64_t K, const uint8_t *w,
+                     int bits, int sgn, const sc_t *ws, const sc_t *wm, int64_t n0, int64_t n1, const float *bias,
+                     const uint16_t *res, void *out, int out_bf16, int64_t ldo) {
+    const int64_t nb = K / QB, row_bytes = bits == 8 ? K : K / 2;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wn = w + n * row_bytes;
+        const sc_t sr = sc_row(*ws, n, nb), mr = wm ? sc_row(*wm, n, nb) : sr;
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t dot = 0;
+                const int8_t *xb = xq + m * K + b * QB;
+                if (bits == 4) /* one loop per layout: GCC 12 vectorized a select between them wrongly */
+                    for (int i = 0; i < 16; i++)
+                        dot += (wn[b * 16 + i] & 0x0F) * (int32_t)xb[i] + (wn[b * 16 + i] >> 4) * (int32_t)xb[i + 16];
+                else if (sgn)
+                    for (int i = 0; i < QB; i++) dot += (int32_t)((const int8_t *)wn)[b * QB + i] * (int32_t)xb[i];
+                else
+                    for (int i = 0; i < QB; i++) dot += (int32_t)wn[b * QB + i] * (int32_t)xb[i];
+                acc += (float)dot * (sc_at(&sr, b) * xs[m * nb + b]);
+                if (wm) acc += sc_at(&mr, b) * xg[m * nb + b];
+            }
+            put(acc, m, n, bias, res, out, out_bf16, ldo);
+        }
+    }
+}
+
+static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                     const int sgn, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
+                     int out_bf16, int64_t ldo, int64_t N) {
+    const int64_t nb = K / QB, mg = (M + 15) / 16, tasks = N / 32, row_bytes = bits == 8 ? K : K / 2;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
-    quantize_rows(x, x_bf16, M, K, QB, xq, xs, NULL, NULL);
+    float *xg = wm ? (float *)malloc((size_t)(M * nb) * sizeof(float)) : NULL;
+    quantize_rows(x, x_bf16, M, K, QB, xq, xs, xg, NULL);
     /* B tiles [mg][nb][8][64]: byte 4 m + j of row r holds xq[16 g + m][32 b + 4 r + j]; rows past M are 0 */
     int8_t *bt = (int8_t *)aligned_alloc(64, (size_t)(mg * nb * 512)); /* tile rows on cache lines */
     memset(bt, 0, (size_t)(mg * nb * 512));
     float *xst = (float *)calloc((size_t)(mg * nb * 16), sizeof(float)); /* [mg][nb][16] row scales */
+    float *xgt = (float *)calloc((size_t)(mg * nb * 16), sizeof(float)); /* [mg][nb][16] rows' sums (mins) */
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
             int8_t *tile = bt + ((m / 16) * nb + b) * 512;
             const int8_t *src = xq + m * K + b * QB;
             for (int64_t k = 0; k < QB; k += 4) memcpy(tile + (k / 4) * 64 + (m % 16) * 4, src + k, 4);
             xst[((m / 16) * nb + b) * 16 + m % 16] = xs[m * nb + b];
+            if (xg) xgt[((m / 16) * nb + b) * 16 + m % 16] = xg[m * nb + b];
         }
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -1011,6 +1053,8 @@ static void gemm_q8_amx(const void *x, int x_bf16, int64_t M, int64_t K, const u
         _tile_loadconfig(&cfg);
         int32_t c[4][16][16] __attribute__((aligned(64)));
         float *wsf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] the task's weight scales */
+        float *wmf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] and mins */
+        uint8_t ab[2][16][32] __attribute__((aligned(64)));                 /* 4-bit blocks widened to bytes */
         __m512 acc[2][32];
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
@@ -1018,11 +1062,15 @@ static void gemm_q8_amx(const void *x, int x_bf16, int64_t M, int64_t K, const u
             for (int i = 0; i < 32; i++) {
                 const sc_t sr = sc_row(*ws, n0 + i, nb);
                 for (int64_t b = 0; b < nb; b++) wsf[b * 32 + i] = sc_at(&sr, b);
+                if (wm) {
+                    const sc_t mr = sc_row(*wm, n0 + i, nb);
+                    for (int64_t b = 0; b < nb; b++) wmf[b * 32 + i] = sc_at(&mr, b);
+                }
             }
             /* the next task's rows (contiguous) are asked for ahead, spread over this one's blocks: the tile loads
              * walk 32 rows at once, which the hardware prefetchers follow poorly */
-            const char *next = (const char *)(w + (n0 + 32) * K);
-            const int64_t lines = t + 1 < tasks ? 32 * K / 64 : 0, per = (lines + nb - 1) / nb;
+            const char *next = (const char *)(w + (n0 + 32) * row_bytes);
+            const int64_t lines = t + 1 < tasks ? 32 * row_bytes / 64 : 0, per = (lines + nb - 1) / nb;
             for (int64_t g0 = 0; g0 < mg; g0 += 2) {
                 const int two = g0 + 1 < mg;
                 for (int gi = 0; gi < 2; gi++)
@@ -1031,19 +1079,40 @@ static void gemm_q8_amx(const void *x, int x_bf16, int64_t M, int64_t K, const u
                     if (g0 == 0)
                         for (int64_t l = b * per; l < (b + 1) * per && l < lines; l++)
                             _mm_prefetch(next + 64 * l, _MM_HINT_T1);
-                    _tile_loadd(4, w + n0 * K + b * QB, K);
-                    _tile_loadd(5, w + (n0 + 16) * K + b * QB, K);
+                    if (bits == 8) {
+                        _tile_loadd(4, w + n0 * K + b * QB, K);
+                        _tile_loadd(5, w + (n0 + 16) * K + b * QB, K);
+                    } else { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
+                        for (int r = 0; r < 32; r++) {
+                            const __m128i v = _mm_loadu_si128((const __m128i *)(w + (n0 + r) * row_bytes + b * 16));
+                            const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+                            const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+                            _mm256_store_si256((__m256i *)ab[r / 16][r % 16], _mm256_set_m128i(hi, lo));
+                        }
+                        _tile_loadd(4, ab[0], 32);
+                        _tile_loadd(5, ab[1], 32);
+                    }
                     _tile_loadd(6, bt + (g0 * nb + b) * 512, 64);
                     _tile_zero(0);
                     _tile_zero(1);
-                    _tile_dpbssd(0, 4, 6);
-                    _tile_dpbssd(1, 5, 6);
+                    if (sgn) {
+                        _tile_dpbssd(0, 4, 6);
+                        _tile_dpbssd(1, 5, 6);
+                    } else {
+                        _tile_dpbusd(0, 4, 6);
+                        _tile_dpbusd(1, 5, 6);
+                    }
                     if (two) {
                         _tile_loadd(7, bt + ((g0 + 1) * nb + b) * 512, 64);
                         _tile_zero(2);
                         _tile_zero(3);
-                        _tile_dpbssd(2, 4, 7);
-                        _tile_dpbssd(3, 5, 7);
+                        if (sgn) {
+                            _tile_dpbssd(2, 4, 7);
+                            _tile_dpbssd(3, 5, 7);
+                        } else {
+                            _tile_dpbusd(2, 4, 7);
+                            _tile_dpbusd(3, 5, 7);
+                        }
                     }
                     _tile_stored(0, c[0], 64);
                     _tile_stored(1, c[1], 64);
@@ -1051,9 +1120,15 @@ static void gemm_q8_amx(const void *x, int x_bf16, int64_t M, int64_t K, const u
                         _tile_stored(2, c[2], 64);
                         _tile_stored(3, c[3], 64);
                     }
-                    const float *wb = wsf + b * 32;
+                    const float *wb = wsf + b * 32, *mb = wmf + b * 32;
                     for (int gi = 0; gi < 1 + two; gi++) {
                         const __m512 xsv = _mm512_loadu_ps(xst + ((g0 + gi) * nb + b) * 16);
+                        if (wm) { /* the mins meet the rows' sums over the block */
+                            const __m512 xgv = _mm512_loadu_ps(xgt + ((g0 + gi) * nb + b) * 16);
+#pragma GCC unroll 32
+                            for (int i = 0; i < 32; i++)
+                                acc[gi][i] = _mm512_fmadd_ps(_mm512_set1_ps(mb[i]), xgv, acc[gi][i]);
+                        }
                         for (int h = 0; h < 2; h++) { /* tile 2 gi + h: weight rows 16 h .. 16 h + 15 */
                             const int32_t(*ct)[16] = c[2 * gi + h];
                             __m512 *a = acc[gi] + 16 * h;
@@ -1088,11 +1163,14 @@ static void gemm_q8_amx(const void *x, int x_bf16, int64_t M, int64_t K, const u
             }
         }
         free(wsf);
+        free(wmf);
         _tile_release();
     }
-    if (tasks * 32 < N) q8rows(xq, xs, M, K, w, ws, tasks * 32, N, bias, res, out, out_bf16, ldo);
+    if (tasks * 32 < N) amx_tail(xq, xs, xg, M, K, w, bits, sgn, ws, wm, tasks * 32, N, bias, res, out, out_bf16, ldo);
     free(bt);
     free(xst);
+    free(xgt);
+    free(xg);
     free(xq);
     free(xs);
 }
@@ -1134,8 +1212,8 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         return;
     }
 #ifdef WQ_AMX
-    if (act == ACT_AUTO && gemm_q8_serves(bits, sgn, G, sfmt, mins_v) && amx_on()) {
-        gemm_q8_amx(x, x_bf16, M, K, w, scales, bias, res, out, out_bf16, ldo, N);
+    if (act == ACT_AUTO && gemm_amx_serves(M, bits, sgn, G, sfmt, mins_v) && amx_on()) {
+        gemm_amx(x, x_bf16, M, K, w, bits, sgn, scales, mins, bias, res, out, out_bf16, ldo, N);
         return;
     }
 #endif
