@@ -19,9 +19,9 @@
  *       depends only on that row, never on the batch.
  *   auto (the default): below INT8_ROWS_K rows (16) the two-level layouts (K-quants, int4) with activations rounded
  *       to int8 per 256 and integer sums over each super-block (gemm_k), and below INT8_ROWS_Q8 (12) 8-bit blocks
- *       (Q8_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp multiplies them; from INT8_ROWS_Q8
- *       rows, on CPUs with AMX, 8-bit blocks the same way by tiles (gemm_q8_amx); float32 for everything else
- *       (Q4_0, Q4_1, larger batches).
+ *       (Q8_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp multiplies them; on CPUs with AMX,
+ *       from those sizes on, 8-bit blocks and the two-level layouts grouped by 32 (Q4_K, Q5_K) with activations
+ *       per 32 by tiles (gemm_amx); float32 for everything else (Q4_0, Q4_1, Q6_K's batches, larger batches).
  * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
  */
 #include <math.h>
@@ -962,11 +962,12 @@ static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
 #include <sys/syscall.h>
 #include <unistd.h>
 
-/* 8-bit blocks for batches from INT8_ROWS_Q8 rows, on CPUs with AMX: the same int8 activations per 32 as gemm_q8,
- * each block's products summed by the tile unit. A = 16 weight rows x one 32-weight block, read in place (row stride
- * K); B = the block of 16 input rows in the tile unit's 4-byte-interleaved layout, made once per call; C [16 weight
- * rows][16 input rows] int32, then scaled (weight scale x row scale) into float32 sums, block by block, as gemm_q8
- * does (another order of the float32 adds). Weight rows past the last multiple of 16 go through q8rows. */
+/* Batches on CPUs with AMX (gemm_amx_serves below says which): activations int8 per 32 (as gemm_q8), each block's
+ * products summed by the tile unit. A = 16 weight rows x one 32-weight block, read in place (row stride K; 4-bit
+ * blocks widened to bytes first); B = the block of 16 input rows in the tile unit's 4-byte-interleaved layout, made
+ * once per call; C [16 weight rows][16 input rows] int32, then scaled (weight scale x row scale, plus min x the rows'
+ * sums over the block) into float32 sums, block by block (another order of the float32 adds than the row paths').
+ * Weight rows past the last multiple of 32 go through amx_tail. */
 static int amx_state = -1; /* -1 not asked yet, 0 unavailable or off, 1 on */
 
 static int amx_on(void) {
