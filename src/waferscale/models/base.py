@@ -145,7 +145,12 @@ class CausalLM(nn.Module):
         if ctx.kernels is not None and ctx.dtype == torch.bfloat16:
             layers = [layer.decode_weights() for layer in self.layers]
             self.decode_layers = None if None in layers else layers
-            self.decode_rows = ctx.native_rows
+            # the row limit is the packed bf16 projections' (beyond it oneDNN's GEMM wins where bf16 is in
+            # hardware); layers whose projections are all quantized take qgemm either way, at any batch size
+            packed = any(
+                isinstance(p, torch.Tensor) for w in layers if w is not None for p in (w.qkv, w.o, w.gate_up, w.down)
+            )
+            self.decode_rows = ctx.native_rows if packed else None
         return added
 
     def load_hf_state(self, tensors: dict[str, torch.Tensor | QuantWeight], dtype: torch.dtype) -> None:
