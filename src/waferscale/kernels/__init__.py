@@ -104,6 +104,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rmsnorm_gemma_bf16.restype = None
     lib.gelu_mul_bf16.argtypes = [ptr, ptr, i64, i64]
     lib.gelu_mul_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64]
+    lib.silu_mul_bf16.restype = None
     lib.decode_attention_bf16.argtypes = [ptr] * 5 + [ctypes.c_int] + [ptr] * 6 + [i64] * 6 + [f32]
     lib.decode_attention_bf16.restype = None
     lib.gemm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
@@ -462,6 +464,13 @@ class NativeKernels:
         m, two_i = gate_up.shape
         y = torch.empty(m, two_i // 2, dtype=torch.bfloat16)
         self.lib.gelu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), m, two_i // 2)
+        return y
+
+    def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """bf16(bf16(silu(gate)) * up) for bfloat16 gate_up [M, 2 I] (contiguous, gate columns first)."""
+        m, two_i = gate_up.shape
+        y = torch.empty(m, two_i // 2, dtype=torch.bfloat16)
+        self.lib.silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), m, two_i // 2)
         return y
 
     def decode_attention_bf16(

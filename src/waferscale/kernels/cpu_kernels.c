@@ -805,6 +805,23 @@ void rmsnorm_gemma_bf16(const uint16_t *x, const float *w1, uint16_t *y, int64_t
     norm_rows(x, w1, NORM_GEMMA, y, M, D, eps);
 }
 
+/* y [M, I] = bf16(bf16(silu(gate)) * up) for gu [M, 2 I] bf16, gate columns first then up: a quantized gate/up's
+ * SiLU middle (silu_mul_tile's rounding), one function for the modules' call and decode_layer's. */
+void silu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t M, int64_t I) {
+#pragma omp parallel for schedule(static) if (M > 8)
+    for (int64_t m = 0; m < M; m++) {
+        float g[256], u[256];
+        for (int64_t j0 = 0; j0 < I; j0 += 256) {
+            const int64_t n = I - j0 < 256 ? I - j0 : 256;
+            for (int64_t j = 0; j < n; j++) {
+                g[j] = bf16_to_f32(gu[m * 2 * I + j0 + j]);
+                u[j] = bf16_to_f32(gu[m * 2 * I + I + j0 + j]);
+            }
+            silu_mul_tile(g, u, y + m * I + j0, n);
+        }
+    }
+}
+
 /* tanh-GELU: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as torch's gelu(approximate="tanh") in float32 */
 static inline float gelu_tanh(float x) {
     const float inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
@@ -981,10 +998,10 @@ void decode_layer(uint16_t *h, int64_t M, int64_t E, const void *norm1, const pr
         free(gu);
     } else if (gate_up_w->packed) {
         gemm_run(x, 1, gate_up_w->packed, NULL, act, 1, NULL, EPI_SILU_MUL, M, E, 2 * I);
-    } else { /* float32 out: silu_mul_tile rounds gate and up to bf16 first, as the bf16 projection would */
-        float *gu = (float *)malloc((size_t)(M * 2 * I) * sizeof(float));
-        proj_run(gate_up_w, x, M, E, 2 * I, NULL, NULL, gu, 0);
-        for (int64_t m = 0; m < M; m++) silu_mul_tile(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
+    } else { /* quantized: gate/up in bf16 as the projection gives them, then silu_mul_bf16 (as the modules) */
+        uint16_t *gu = (uint16_t *)malloc((size_t)(M * 2 * I) * sizeof(uint16_t));
+        proj_run(gate_up_w, x, M, E, 2 * I, NULL, NULL, gu, 1);
+        silu_mul_bf16(gu, act, M, I);
         free(gu);
     }
     if (ext && ext->post_ff) {

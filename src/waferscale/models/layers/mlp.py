@@ -59,6 +59,7 @@ class GatedMLP(nn.Module):
         self.kernels = None
         self.gate_up_pairs: torch.Tensor | None = None  # gate/up packed in pairs (silu only)
         self.pair_rows: int | None = None  # batches of at most this many rows use gate_up_pairs (None: any)
+        self.native_mul = False  # act(gate) * up by the native kernel on bf16 rows (tanh-GELU; SiLU after quantized)
 
     def process_weights_after_loading(self, ctx: LoadContext) -> None:
         """Pack bf16 gate/up in pairs where the native SiLU-and-multiply kernel applies; before the projections
@@ -66,8 +67,10 @@ class GatedMLP(nn.Module):
         proj = self.gate_up_proj
         if self.gate_up_pairs is not None or proj.method is not None:
             return
-        if self.act in GELU_TANH and ctx.kernels is not None and ctx.dtype == torch.bfloat16:
-            self.kernels = ctx.kernels  # bf16 rows take the native gelu-and-multiply (as the whole-layer call does)
+        native_bf16 = ctx.kernels is not None and ctx.dtype == torch.bfloat16
+        if native_bf16 and (self.act in GELU_TANH or (self.act == "silu" and proj.quant is not None)):
+            # bf16 rows take the native activation-and-multiply, as the whole-layer call does
+            self.kernels, self.native_mul = ctx.kernels, True
             return
         if (
             self.act != "silu"
@@ -89,7 +92,7 @@ class GatedMLP(nn.Module):
         """gate/up as the whole-layer decode kernel reads it (SiLU: packed pairs or quantized parts; tanh-GELU:
         the projection's packed panels or parts), or None."""
         if self.act in GELU_TANH:
-            return self.gate_up_proj.method.decode_weight() if self.kernels is not None else None
+            return self.gate_up_proj.method.decode_weight() if self.native_mul else None
         if self.act != "silu":
             return None
         if self.gate_up_pairs is not None:
@@ -103,9 +106,10 @@ class GatedMLP(nn.Module):
         """down(act(gate(x)) * up(x)), plus `residual` when given."""
         if self.gate_up_pairs is not None and x.dtype == torch.bfloat16 and within(x.shape[0], self.pair_rows):
             act = self.kernels.linear_silu_mul_bf16(x, self.gate_up_pairs, self.inter)
-        elif self.kernels is not None and self.act in GELU_TANH and x.dtype == torch.bfloat16 and x.dim() == 2:
+        elif self.native_mul and x.dtype == torch.bfloat16 and x.dim() == 2:
             gate_up = self.gate_up_proj(x)
-            act = self.kernels.gelu_mul_bf16(gate_up.contiguous()) if gate_up.dtype == torch.bfloat16 else None
+            mul = self.kernels.silu_mul_bf16 if self.act == "silu" else self.kernels.gelu_mul_bf16
+            act = mul(gate_up.contiguous()) if gate_up.dtype == torch.bfloat16 else None
             if act is None:  # a method that answered in another dtype
                 gate, up = gate_up.split([self.inter, self.inter], dim=-1)
                 act = ACTIVATIONS[self.act](gate) * up
