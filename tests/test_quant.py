@@ -122,12 +122,14 @@ def _eight_bit(w: QuantWeight) -> bool:
 
 def _amx_rows(w: QuantWeight, act: int, rows: int, amx: bool) -> bool:
     """Whether auto multiplies this batch by AMX tiles where the CPU has AMX: 8-bit blocks from INT8_ROWS_Q8 rows,
-    the two-level layouts grouped by 32 (Q4_K, Q5_K) from INT8_ROWS_K; int8 activations per 32."""
+    the two-level layouts (Q4_K, Q5_K, Q6_K) from INT8_ROWS_K; int8 activations per 32."""
     if not (amx and act == AUTO):
         return False
     if _eight_bit(w):
         return rows >= INT8_ROWS_Q8
-    return w.scale_format == 2 and w.group == 32 and not w.signed and rows >= INT8_ROWS_K
+    two_level_32 = w.group == 32 and not w.signed  # Q4_K, Q5_K
+    q6k = w.group == 16 and w.signed and w.bits == 8 and w.mins is None
+    return w.scale_format == 2 and (two_level_32 or q6k) and rows >= INT8_ROWS_K
 
 
 def _int8_block(w: QuantWeight, act: int, rows: int, amx: bool = False) -> int | None:
@@ -203,9 +205,9 @@ def test_integer_kernel_matches_float_reference(kind):
 
 
 @needs_native
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_amx_tiles_give_each_row_the_integer_sums(kind):
-    """Where the CPU has AMX, auto multiplies 8-bit blocks from 12 rows, and Q4_K and Q5_K from 16, by tiles: 33
+    """Where the CPU has AMX, auto multiplies 8-bit blocks from 12 rows, and Q4_K, Q5_K and Q6_K from 16, by tiles: 33
     rows (two tile groups and a part) against 100 weight rows (three 32-row tasks and 4 rows past them) give each
     row, bias included, the products of its int8 activations (per 32) with the weights as the int8 mode sums them,
     within float32 rounding; 8-bit blocks, the sums the row alone gets (the same products, added in another order);

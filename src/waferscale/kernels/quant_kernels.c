@@ -20,8 +20,8 @@
  *   auto (the default): below INT8_ROWS_K rows (16) the two-level layouts (K-quants, int4) with activations rounded
  *       to int8 per 256 and integer sums over each super-block (gemm_k), and below INT8_ROWS_Q8 (12) 8-bit blocks
  *       (Q8_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp multiplies them; on CPUs with AMX,
- *       from those sizes on, 8-bit blocks and the two-level layouts grouped by 32 (Q4_K, Q5_K) with activations
- *       per 32 by tiles (gemm_amx); float32 for everything else (Q4_0, Q4_1, Q6_K's batches, larger batches).
+ *       from those sizes on, 8-bit blocks and the two-level layouts (Q4_K, Q5_K, Q6_K) with activations per 32 by
+ *       tiles (gemm_amx, gemm_amx16); float32 for everything else (Q4_0, Q4_1, larger batches).
  * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
  */
 #include <math.h>
@@ -982,41 +982,79 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
-/* what the tiles serve under auto, from the batch sizes where the other integer paths stop: 8-bit
- * blocks without mins (Q8_0, Q5_0, int8) from INT8_ROWS_Q8 rows; the two-level layouts grouped by 32 (Q4_K, Q5_K,
- * int4 where K allows) from INT8_ROWS_K, activations per 32 (finer than gemm_k's per 256). Q6_K (groups of 16) and
- * the one-level 4-bit blocks (Q4_0, Q4_1, whose int8 activations cost accuracy) keep the float32 panels. */
+/* what the tiles serve under auto, from the batch sizes where the other integer paths stop: 8-bit blocks without
+ * mins (Q8_0, Q5_0, int8) from INT8_ROWS_Q8 rows; the two-level layouts (Q4_K, Q5_K, int4 where K allows, and Q6_K's
+ * groups of 16 in gemm_amx16) from INT8_ROWS_K, activations per 32 (finer than gemm_k's per 256). The one-level 4-bit
+ * blocks (Q4_0, Q4_1, whose int8 activations cost accuracy) keep the float32 panels. */
 static int gemm_amx_serves(int64_t M, int bits, int sgn, int64_t G, int sfmt, const void *mins) {
     if (gemm_q8_serves(bits, sgn, G, sfmt, mins)) return M >= INT8_ROWS_Q8;
-    return M >= INT8_ROWS_K && sfmt == SC_TWO_LEVEL && G == QB && !sgn && (bits == 4 || bits == 8);
+    if (M < INT8_ROWS_K || sfmt != SC_TWO_LEVEL) return 0;
+    return (G == QB && !sgn && (bits == 4 || bits == 8)) || (G == 16 && sgn && bits == 8 && !mins);
 }
 
 /* the integer sums of weight rows n0 .. n1 against every input row, one at a time, then scaled as the tiles' are:
- * the rows past the last multiple of 32 in gemm_amx (plain C: at most 31 rows) */
+ * the rows past the tiles' last whole task (plain C: at most 31 rows); scales per group of G (16 or 32) */
 static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t M, int64_t K, const uint8_t *w,
-                     int bits, int sgn, const sc_t *ws, const sc_t *wm, int64_t n0, int64_t n1, const float *bias,
-                     const uint16_t *res, void *out, int out_bf16, int64_t ldo) {
-    const int64_t nb = K / QB, row_bytes = bits == 8 ? K : K / 2;
+                     int bits, int sgn, int64_t G, const sc_t *ws, const sc_t *wm, int64_t n0, int64_t n1,
+                     const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo) {
+    const int64_t nb = K / QB, ng = K / G, row_bytes = bits == 8 ? K : K / 2;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wn = w + n * row_bytes;
-        const sc_t sr = sc_row(*ws, n, nb), mr = wm ? sc_row(*wm, n, nb) : sr;
+        const sc_t sr = sc_row(*ws, n, ng), mr = wm ? sc_row(*wm, n, ng) : sr;
         for (int64_t m = 0; m < M; m++) {
             float acc = 0.f;
-            for (int64_t b = 0; b < nb; b++) {
+            for (int64_t g = 0; g < ng; g++) {
                 int32_t dot = 0;
-                const int8_t *xb = xq + m * K + b * QB;
+                const int64_t k0 = g * G, b = k0 / QB;
+                const int8_t *xb = xq + m * K + k0;
                 if (bits == 4) /* one loop per layout: GCC 12 vectorized a select between them wrongly */
                     for (int i = 0; i < 16; i++)
                         dot += (wn[b * 16 + i] & 0x0F) * (int32_t)xb[i] + (wn[b * 16 + i] >> 4) * (int32_t)xb[i + 16];
                 else if (sgn)
-                    for (int i = 0; i < QB; i++) dot += (int32_t)((const int8_t *)wn)[b * QB + i] * (int32_t)xb[i];
+                    for (int i = 0; i < G; i++) dot += (int32_t)((const int8_t *)wn)[k0 + i] * (int32_t)xb[i];
                 else
-                    for (int i = 0; i < QB; i++) dot += (int32_t)wn[b * QB + i] * (int32_t)xb[i];
-                acc += (float)dot * (sc_at(&sr, b) * xs[m * nb + b]);
-                if (wm) acc += sc_at(&mr, b) * xg[m * nb + b];
+                    for (int i = 0; i < G; i++) dot += (int32_t)wn[k0 + i] * (int32_t)xb[i];
+                acc += (float)dot * (sc_at(&sr, g) * xs[m * nb + b]);
+                if (wm) acc += sc_at(&mr, g) * xg[m * nb + b];
             }
             put(acc, m, n, bias, res, out, out_bf16, ldo);
         }
+    }
+}
+
+/* the input rows as B tiles, bt [mg][nb][8][64] (byte 4 m + j of row r: xq[16 g + m][32 b + 4 r + j]; rows past M
+ * 0), and their scales (and sums, xg non-NULL) per block as [mg][nb][16] */
+static void amx_b_tiles(const int8_t *xq, const float *xs, const float *xg, int64_t M, int64_t K, int8_t *bt,
+                        float *xst, float *xgt) {
+    const int64_t nb = K / QB;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            int8_t *tile = bt + ((m / 16) * nb + b) * 512;
+            const int8_t *src = xq + m * K + b * QB;
+            for (int64_t k = 0; k < QB; k += 4) memcpy(tile + (k / 4) * 64 + (m % 16) * 4, src + k, 4);
+            xst[((m / 16) * nb + b) * 16 + m % 16] = xs[m * nb + b];
+            if (xg) xgt[((m / 16) * nb + b) * 16 + m % 16] = xg[m * nb + b];
+        }
+}
+
+/* acc[i] (lanes: input rows m0 .. m0 + 15) holds weight row n0 + i's sums, i < nrows (16 or 32): written as input
+ * rows of nrows sums each (vector stores for float32 out), `rows` of them */
+static void amx_store(const __m512 *acc, int nrows, int64_t rows, int64_t m0, int64_t n0, const float *bias,
+                      const uint16_t *res, void *out, int out_bf16, int64_t ldo) {
+    float v[32][16], r[16][32] __attribute__((aligned(64)));
+    for (int i = 0; i < nrows; i++) _mm512_storeu_ps(v[i], acc[i]);
+    for (int64_t m = 0; m < rows; m++)
+        for (int i = 0; i < nrows; i++) r[m][i] = v[i][m];
+    for (int64_t m = 0; m < rows; m++) {
+        if (!out_bf16) {
+            float *o = (float *)out + (m0 + m) * ldo + n0;
+            for (int h = 0; h < nrows / 16; h++) {
+                __m512 y = _mm512_load_ps(r[m] + 16 * h);
+                if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + n0 + 16 * h));
+                _mm512_storeu_ps(o + 16 * h, y);
+            }
+        } else
+            for (int i = 0; i < nrows; i++) put(r[m][i], m0 + m, n0 + i, bias, res, out, out_bf16, ldo);
     }
 }
 
@@ -1033,14 +1071,7 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     memset(bt, 0, (size_t)(mg * nb * 512));
     float *xst = (float *)calloc((size_t)(mg * nb * 16), sizeof(float)); /* [mg][nb][16] row scales */
     float *xgt = (float *)calloc((size_t)(mg * nb * 16), sizeof(float)); /* [mg][nb][16] rows' sums (mins) */
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < nb; b++) {
-            int8_t *tile = bt + ((m / 16) * nb + b) * 512;
-            const int8_t *src = xq + m * K + b * QB;
-            for (int64_t k = 0; k < QB; k += 4) memcpy(tile + (k / 4) * 64 + (m % 16) * 4, src + k, 4);
-            xst[((m / 16) * nb + b) * 16 + m % 16] = xs[m * nb + b];
-            if (xg) xgt[((m / 16) * nb + b) * 16 + m % 16] = xg[m * nb + b];
-        }
+    amx_b_tiles(xq, xs, xg, M, K, bt, xst, xgt);
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -1142,24 +1173,9 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                         }
                     }
                 }
-                for (int gi = 0; gi < 1 + two; gi++) { /* acc holds a weight row's sums across the input rows:
-                                                           * turned into input rows of 32 sums, each written whole */
+                for (int gi = 0; gi < 1 + two; gi++) {
                     const int64_t m0 = 16 * (g0 + gi), rows = M - m0 < 16 ? M - m0 : 16;
-                    float v[32][16], r[16][32] __attribute__((aligned(64)));
-                    for (int i = 0; i < 32; i++) _mm512_storeu_ps(v[i], acc[gi][i]);
-                    for (int64_t m = 0; m < rows; m++)
-                        for (int i = 0; i < 32; i++) r[m][i] = v[i][m];
-                    for (int64_t m = 0; m < rows; m++) {
-                        if (!out_bf16) {
-                            float *o = (float *)out + (m0 + m) * ldo + n0;
-                            for (int h = 0; h < 2; h++) {
-                                __m512 y = _mm512_load_ps(r[m] + 16 * h);
-                                if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + n0 + 16 * h));
-                                _mm512_storeu_ps(o + 16 * h, y);
-                            }
-                        } else
-                            for (int i = 0; i < 32; i++) put(r[m][i], m0 + m, n0 + i, bias, res, out, out_bf16, ldo);
-                    }
+                    amx_store(acc[gi], 32, rows, m0, n0, bias, res, out, out_bf16, ldo);
                 }
             }
         }
@@ -1167,11 +1183,81 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
         free(wmf);
         _tile_release();
     }
-    if (tasks * 32 < N) amx_tail(xq, xs, xg, M, K, w, bits, sgn, ws, wm, tasks * 32, N, bias, res, out, out_bf16, ldo);
+    if (tasks * 32 < N)
+        amx_tail(xq, xs, xg, M, K, w, bits, sgn, QB, ws, wm, tasks * 32, N, bias, res, out, out_bf16, ldo);
     free(bt);
     free(xst);
     free(xgt);
     free(xg);
+    free(xq);
+    free(xs);
+}
+/* Q6_K's groups of 16 (signed bytes, two-level scales, no mins): each 32-weight block's halves in their own tile
+ * products (K = 16: A 16 weight rows x 16 bytes, B the half's 4 rows of the block's B tile), each scaled by its
+ * group's scale; 16 weight rows and 16 input rows a pass. Rows past a multiple of 16 in amx_tail. */
+static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const sc_t *ws,
+                       const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+    const int64_t nb = K / QB, ng = K / 16, mg = (M + 15) / 16, tasks = N / 16;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    quantize_rows(x, x_bf16, M, K, QB, xq, xs, NULL, NULL);
+    int8_t *bt = (int8_t *)aligned_alloc(64, (size_t)(mg * nb * 512));
+    memset(bt, 0, (size_t)(mg * nb * 512));
+    float *xst = (float *)calloc((size_t)(mg * nb * 16), sizeof(float));
+    amx_b_tiles(xq, xs, NULL, M, K, bt, xst, NULL);
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 2; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;     /* C: the block's two halves */
+    for (int i = 2; i < 4; i++) cfg.rows[i] = 16, cfg.colsb[i] = 16;     /* A: 16 weight rows x 16 bytes */
+    for (int i = 4; i < 6; i++) cfg.rows[i] = 4, cfg.colsb[i] = 64;      /* B: 4 rows of 16 x 4 bytes */
+#pragma omp parallel
+    {
+        _tile_loadconfig(&cfg);
+        int32_t c[2][16][16] __attribute__((aligned(64)));
+        float *wsf = (float *)malloc((size_t)(ng * 16) * sizeof(float)); /* [ng][16] the task's group scales */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t n0 = 16 * t;
+            for (int i = 0; i < 16; i++) {
+                const sc_t sr = sc_row(*ws, n0 + i, ng);
+                for (int64_t g = 0; g < ng; g++) wsf[g * 16 + i] = sc_at(&sr, g);
+            }
+            for (int64_t g0 = 0; g0 < mg; g0++) {
+                __m512 acc[16];
+                for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+                for (int64_t b = 0; b < nb; b++) {
+                    _tile_loadd(2, w + n0 * K + b * QB, K);
+                    _tile_loadd(3, w + n0 * K + b * QB + 16, K);
+                    _tile_loadd(4, bt + (g0 * nb + b) * 512, 64);
+                    _tile_loadd(5, bt + (g0 * nb + b) * 512 + 256, 64);
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_dpbssd(0, 2, 4);
+                    _tile_dpbssd(1, 3, 5);
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    const __m512 xsv = _mm512_loadu_ps(xst + (g0 * nb + b) * 16);
+                    const float *lo = wsf + 2 * b * 16, *hi = lo + 16;
+#pragma GCC unroll 16
+                    for (int i = 0; i < 16; i++) {
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)c[0][i])),
+                                                 _mm512_mul_ps(_mm512_set1_ps(lo[i]), xsv), acc[i]);
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)c[1][i])),
+                                                 _mm512_mul_ps(_mm512_set1_ps(hi[i]), xsv), acc[i]);
+                    }
+                }
+                const int64_t m0 = 16 * g0, rows = M - m0 < 16 ? M - m0 : 16;
+                amx_store(acc, 16, rows, m0, n0, bias, res, out, out_bf16, ldo);
+            }
+        }
+        free(wsf);
+        _tile_release();
+    }
+    if (tasks * 16 < N)
+        amx_tail(xq, xs, NULL, M, K, w, 8, 1, 16, ws, NULL, tasks * 16, N, bias, res, out, out_bf16, ldo);
+    free(bt);
+    free(xst);
     free(xq);
     free(xs);
 }
@@ -1214,7 +1300,8 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
     }
 #ifdef WQ_AMX
     if (act == ACT_AUTO && gemm_amx_serves(M, bits, sgn, G, sfmt, mins_v) && amx_on()) {
-        gemm_amx(x, x_bf16, M, K, w, bits, sgn, scales, mins, bias, res, out, out_bf16, ldo, N);
+        if (G == 16) gemm_amx16(x, x_bf16, M, K, w, scales, bias, res, out, out_bf16, ldo, N);
+        else gemm_amx(x, x_bf16, M, K, w, bits, sgn, scales, mins, bias, res, out, out_bf16, ldo, N);
         return;
     }
 #endif
