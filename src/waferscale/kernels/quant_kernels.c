@@ -1022,19 +1022,43 @@ static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t
     }
 }
 
-/* the input rows as B tiles, bt [mg][nb][8][64] (byte 4 m + j of row r: xq[16 g + m][32 b + 4 r + j]; rows past M
- * 0), and their scales (and sums, xg non-NULL) per block as [mg][nb][16] */
-static void amx_b_tiles(const int8_t *xq, const float *xs, const float *xg, int64_t M, int64_t K, int8_t *bt,
-                        float *xst, float *xgt) {
-    const int64_t nb = K / QB;
+/* The input rows as the tile kernels take them: int8 per 32 (xq, xs; and xg, the float32 sums per block, for
+ * layouts with mins), as B tiles bt [mg][nb][8][64] (byte 4 m + j of row r: xq[16 g + m][32 b + 4 r + j]; rows past
+ * M 0), and the scales (and sums) per block as [mg][nb][16]. */
+typedef struct {
+    int8_t *xq, *bt;
+    float *xs, *xg, *xst, *xgt;
+} amx_in_t;
+
+static amx_in_t amx_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int sums) {
+    const int64_t nb = K / QB, mg = (M + 15) / 16;
+    amx_in_t in;
+    in.xq = (int8_t *)malloc((size_t)(M * K));
+    in.xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    in.xg = sums ? (float *)malloc((size_t)(M * nb) * sizeof(float)) : NULL;
+    quantize_rows(x, x_bf16, M, K, QB, in.xq, in.xs, in.xg, NULL);
+    in.bt = (int8_t *)aligned_alloc(64, (size_t)(mg * nb * 512)); /* tile rows on cache lines */
+    memset(in.bt, 0, (size_t)(mg * nb * 512));
+    in.xst = (float *)calloc((size_t)(mg * nb * 16), sizeof(float));
+    in.xgt = sums ? (float *)calloc((size_t)(mg * nb * 16), sizeof(float)) : NULL;
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
-            int8_t *tile = bt + ((m / 16) * nb + b) * 512;
-            const int8_t *src = xq + m * K + b * QB;
+            int8_t *tile = in.bt + ((m / 16) * nb + b) * 512;
+            const int8_t *src = in.xq + m * K + b * QB;
             for (int64_t k = 0; k < QB; k += 4) memcpy(tile + (k / 4) * 64 + (m % 16) * 4, src + k, 4);
-            xst[((m / 16) * nb + b) * 16 + m % 16] = xs[m * nb + b];
-            if (xg) xgt[((m / 16) * nb + b) * 16 + m % 16] = xg[m * nb + b];
+            in.xst[((m / 16) * nb + b) * 16 + m % 16] = in.xs[m * nb + b];
+            if (sums) in.xgt[((m / 16) * nb + b) * 16 + m % 16] = in.xg[m * nb + b];
         }
+    return in;
+}
+
+static void amx_inputs_free(amx_in_t *in) {
+    free(in->xq);
+    free(in->bt);
+    free(in->xs);
+    free(in->xg);
+    free(in->xst);
+    free(in->xgt);
 }
 
 /* acc[i] (lanes: input rows m0 .. m0 + 15) holds weight row n0 + i's sums, i < nrows (16 or 32): written as input
@@ -1062,16 +1086,9 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                      const int sgn, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
                      int out_bf16, int64_t ldo, int64_t N) {
     const int64_t nb = K / QB, mg = (M + 15) / 16, tasks = N / 32, row_bytes = bits == 8 ? K : K / 2;
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-    float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
-    float *xg = wm ? (float *)malloc((size_t)(M * nb) * sizeof(float)) : NULL;
-    quantize_rows(x, x_bf16, M, K, QB, xq, xs, xg, NULL);
-    /* B tiles [mg][nb][8][64]: byte 4 m + j of row r holds xq[16 g + m][32 b + 4 r + j]; rows past M are 0 */
-    int8_t *bt = (int8_t *)aligned_alloc(64, (size_t)(mg * nb * 512)); /* tile rows on cache lines */
-    memset(bt, 0, (size_t)(mg * nb * 512));
-    float *xst = (float *)calloc((size_t)(mg * nb * 16), sizeof(float)); /* [mg][nb][16] row scales */
-    float *xgt = (float *)calloc((size_t)(mg * nb * 16), sizeof(float)); /* [mg][nb][16] rows' sums (mins) */
-    amx_b_tiles(xq, xs, xg, M, K, bt, xst, xgt);
+    amx_in_t in = amx_inputs(x, x_bf16, M, K, wm != NULL);
+    const int8_t *bt = in.bt;
+    const float *xst = in.xst, *xgt = in.xgt;
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -1184,13 +1201,8 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
         _tile_release();
     }
     if (tasks * 32 < N)
-        amx_tail(xq, xs, xg, M, K, w, bits, sgn, QB, ws, wm, tasks * 32, N, bias, res, out, out_bf16, ldo);
-    free(bt);
-    free(xst);
-    free(xgt);
-    free(xg);
-    free(xq);
-    free(xs);
+        amx_tail(in.xq, in.xs, in.xg, M, K, w, bits, sgn, QB, ws, wm, tasks * 32, N, bias, res, out, out_bf16, ldo);
+    amx_inputs_free(&in);
 }
 /* Q6_K's groups of 16 (signed bytes, two-level scales, no mins): each 32-weight block's halves in their own tile
  * products (K = 16: A 16 weight rows x 16 bytes, B the half's 4 rows of the block's B tile), each scaled by its
@@ -1198,13 +1210,9 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
 static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const sc_t *ws,
                        const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
     const int64_t nb = K / QB, ng = K / 16, mg = (M + 15) / 16, tasks = N / 16;
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-    float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
-    quantize_rows(x, x_bf16, M, K, QB, xq, xs, NULL, NULL);
-    int8_t *bt = (int8_t *)aligned_alloc(64, (size_t)(mg * nb * 512));
-    memset(bt, 0, (size_t)(mg * nb * 512));
-    float *xst = (float *)calloc((size_t)(mg * nb * 16), sizeof(float));
-    amx_b_tiles(xq, xs, NULL, M, K, bt, xst, NULL);
+    amx_in_t in = amx_inputs(x, x_bf16, M, K, 0);
+    const int8_t *bt = in.bt;
+    const float *xst = in.xst;
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -1255,11 +1263,8 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
         _tile_release();
     }
     if (tasks * 16 < N)
-        amx_tail(xq, xs, NULL, M, K, w, 8, 1, 16, ws, NULL, tasks * 16, N, bias, res, out, out_bf16, ldo);
-    free(bt);
-    free(xst);
-    free(xq);
-    free(xs);
+        amx_tail(in.xq, in.xs, NULL, M, K, w, 8, 1, 16, ws, NULL, tasks * 16, N, bias, res, out, out_bf16, ldo);
+    amx_inputs_free(&in);
 }
 #endif
 #endif
