@@ -4,6 +4,7 @@ bytes a token actually reads (attention, router, the k active experts of each la
 
 Usage: .venv/bin/python scripts/bench_moe.py --model DIR [--kinds Q4_K_M,Q8_0] [--scenarios single,c8,c32]
        [--servers a,b] [--quick] [--skip-llamacpp] [--cache-dir DIR] [--kv-cache-memory MIB] [--json FILE]
+       [--ws-arg=ARG ...]
 
 --model: a Hugging Face folder of a random MoE with a published model's layer shapes, e.g. Qwen3-30B-A3B's with
 `make_random_model.py --preset qwen3-30b-a3b --layers 12 --tokenizer .../tokenizer.json OUT` (the project's shared
@@ -69,6 +70,10 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "waferscale-bench")
     ap.add_argument("--kv-cache-memory", type=int, default=512, metavar="MIB")
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--ws-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for every waferscale serve (repeatable), e.g. --ws-arg=--speculative "
+                         "--ws-arg=none: a random model's repetitive output flatters n-gram speculation, which "
+                         "llama-server does not run by default")
     args = ap.parse_args()
     cache = args.cache_dir.expanduser()
     log_dir = cache / "logs"
@@ -82,7 +87,7 @@ def main() -> None:
     for kind in args.kinds.split(","):
         path = ggufs[kind]
         argv = [ws, "serve", "--model", str(path), "--served-model-name", base.MODEL_NAME,
-                "--kv-cache-memory", str(kv), "--threads", "2"]
+                "--kv-cache-memory", str(kv), "--threads", "2", *args.ws_arg]
         runs.append((kind, base.Server(f"ws_{kind}", f"waferscale {kind}", argv, base.waferscale_fields, ()),
                      *active_bytes(path, True)))
         if not args.skip_llamacpp:

@@ -231,16 +231,20 @@ def test_quantized_experts_match_a_float_reference_with_uneven_routing(kind, mon
 
 
 @pytest.mark.skipif(native is None, reason="native kernels could not be built here")
-@pytest.mark.parametrize("kind", ["bf16", "Q8_0", "Q4_K", "Q6_K"])
-def test_one_native_call_matches_the_python_loop(kind):
+@pytest.mark.parametrize(
+    "kind, routing",
+    [("bf16", (SOFTMAX_TOPK, True)), ("Q8_0", (TOPK_SOFTMAX, False)), ("Q4_K", (SOFTMAX_TOPK, True)),
+     ("Q6_K", (SOFTMAX_TOPK, False))],
+)
+def test_one_native_call_matches_the_python_loop(kind, routing):
     """Every expert of a bf16 step in one native call, against the experts' modules called one by one: the same
-    bits for bf16 experts (and the same to a rare SiLU rounding tie for quantized ones), with an expert that takes
-    every row and one that takes none."""
+    bits, bf16 and quantized experts alike, with an expert that takes every row and one that takes none; and the
+    whole layer (router, routing, experts, residual add) in one call against routing in Python and the loop."""
     from waferscale.models.layers.moe import GroupedExperts
 
     torch.manual_seed(5)
     hidden, inter, experts = 256, 256, 8
-    layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, SOFTMAX_TOPK, True))
+    layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, *routing))
     router = torch.randn(experts, hidden) * 0.3
     router[:, 0] = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, -10.0])  # expert 0 in every row's top 2, the last in none
     layer.gate.load([router.bfloat16()], None, "gate")
@@ -265,10 +269,14 @@ def test_one_native_call_matches_the_python_loop(kind):
         assert rows < 8 or len(ids.unique()) >= 4
         weights = weights.bfloat16()
         got, want = method.apply(x, ids, weights), method.fallback.apply(x, ids, weights)
-        if kind == "bf16":
-            assert torch.equal(got, want), rows
-        else:  # torch's bf16 SiLU after a quantized gate/up, and the kernel's, may round a tie apart (1 bf16 ulp)
-            assert ((got - want).norm() / want.norm()) < 1e-3, rows
+        assert torch.equal(got, want), rows
+        residual = (torch.randn(rows, hidden) * want.abs().mean()).bfloat16()  # as large as the experts' output
+        before = layer.expert_load.clone()
+        whole = layer(x, residual=residual)  # the router, routing and experts natively, in one call
+        assert torch.equal(layer.expert_load - before, torch.bincount(ids.view(-1), minlength=experts))
+        # the routing weights' float32 softmax may differ from torch's in a last bit, and so their bf16 rounding
+        ref = (residual + want.bfloat16()).float()
+        assert ((whole.float() - ref).abs() <= 2**-7 * (ref.abs() + want.abs()) + 1e-30).all(), rows
 
 
 # ---------------------------------------------------------------- the family from a folder
@@ -322,6 +330,26 @@ def test_a_sequence_decodes_the_same_alone_and_among_15_others(qwen3_moe):
     together = _ours(ours, [target, *others])[0]
     assert together[0] == alone[0]
     assert max(abs(a - b) for a, b in zip(together[1], alone[1])) < 1e-5
+
+
+@pytest.mark.skipif(native is None, reason="native kernels could not be built here")
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_a_decode_step_runs_each_sparse_layer_as_one_native_call_bit_for_bit(qwen3_moe, quantization):
+    """At bf16 (experts packed, or quantized in int4), a decode-only batch runs each layer, its experts included, as
+    one native call: the same hidden states and stored keys and values, bit for bit, as the layer's modules; each
+    routed row counted once in the expert load, by either path."""
+    from test_kernels import whole_layer_against_modules
+
+    _, folder, _ = qwen3_moe
+    loaded = load_model(folder, dtype="bfloat16", quantization=quantization, progress=False)
+    model = loaded.model
+    sparse = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoE)]
+    assert sparse and all(model.decode_layers[i].moe is not None for i in sparse)
+    before = model.expert_load()
+    whole_layer_against_modules(model, loaded.config, torch.tensor([1, 16, 17, 90]))
+    after = model.expert_load()
+    for i in sparse:
+        assert sum(after[i]) - sum(before[i]) == 2 * 4 * ACTIVE  # 4 rows, k each, once a path
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

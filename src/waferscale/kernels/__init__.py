@@ -131,6 +131,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_layer.restype = None
     lib.moe_experts_bf16.argtypes = [ptr] * 6 + [i64] * 3 + [ptr]
     lib.moe_experts_bf16.restype = None
+    lib.moe_forward_bf16.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.moe_forward_bf16.restype = None
     lib.mxfp4_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int, ptr, ptr, i64]
     lib.mxfp4_gemm.restype = None
     return lib
@@ -261,7 +263,7 @@ class _LayerExt(ctypes.Structure):
 
     _fields_ = [("norm_kind", ctypes.c_int64)] + [
         (name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "post_attn", "post_ff")
-    ] + [("act", ctypes.c_int64)]
+    ] + [("act", ctypes.c_int64), ("moe", ctypes.c_void_p)]
 
 
 NORM_LLAMA, NORM_GEMMA = 0, 1  # cpu_kernels.c's norm kinds: bf16 weight, or float32 1 + weight
@@ -293,19 +295,22 @@ class DecodeLayerWeights:
     post_attn: torch.Tensor | None = None
     post_ff: torch.Tensor | None = None
     mlp_act: int = ACT_SILU
+    moe: MoEWeights | None = None  # a mixture of experts in place of the MLP (gate_up and down None)
 
     @functools.cached_property
     def descriptors(self) -> tuple[_Proj, _Proj, _Proj, _Proj]:
-        """The four projections' proj_t, built once."""
-        return tuple(_proj(w, self.act) for w in (self.qkv, self.o, self.gate_up, self.down))
+        """The four projections' proj_t, built once (an empty one where the layer has experts instead)."""
+        return tuple(_Proj() if w is None else _proj(w, self.act) for w in (self.qkv, self.o, self.gate_up, self.down))
 
     @functools.cached_property
     def ext(self) -> _LayerExt | None:
         """The layer_ext_t, or None for a plain Llama layer."""
         parts = (self.q_norm, self.k_norm, self.post_attn, self.post_ff)
-        if self.norm_kind == NORM_LLAMA and self.mlp_act == ACT_SILU and all(p is None for p in parts):
+        plain = self.norm_kind == NORM_LLAMA and self.mlp_act == ACT_SILU and self.moe is None
+        if plain and all(p is None for p in parts):
             return None
-        return _LayerExt(self.norm_kind, *map(_ptr, parts), self.mlp_act)
+        moe = None if self.moe is None else ctypes.addressof(self.moe.descriptor)
+        return _LayerExt(self.norm_kind, *map(_ptr, parts), self.mlp_act, moe)
 
 
 class ExpertWeights:
@@ -318,6 +323,49 @@ class ExpertWeights:
         self._projs = [_proj(w, act) for w in gate_up], [_proj(w, act) for w in down]  # their parts' arrays
         self.gate_up = (_Proj * self.count)(*self._projs[0])
         self.down = (_Proj * self.count)(*self._projs[1])
+
+
+MOE_SOFTMAX_TOPK, MOE_TOPK_SOFTMAX = 0, 1  # cpu_kernels.c's routing orders
+
+
+class _MoE(ctypes.Structure):
+    """cpu_kernels.c's moe_t: a mixture-of-experts feed-forward."""
+
+    _fields_ = [
+        ("router", ctypes.POINTER(_Proj)),
+        ("router_bias", ctypes.c_void_p),
+        ("gate_up", ctypes.POINTER(_Proj)),
+        ("down", ctypes.POINTER(_Proj)),
+    ] + [(name, ctypes.c_int64) for name in ("num_experts", "top_k", "order", "renormalize", "inter")] + [
+        ("load", ctypes.c_void_p)
+    ]
+
+
+class MoEWeights:
+    """A mixture-of-experts feed-forward as moe_forward_bf16 (and decode_layer) reads it: the router (packed bf16 or
+    quantized parts, its float32 bias or None), the experts (ExpertWeights), the routing (MOE_SOFTMAX_TOPK or
+    MOE_TOPK_SOFTMAX, k, renormalisation) and `load`, the int64 [experts] counts the kernel adds each routed row to.
+    `packed`: some of them are packed bf16. The caller keeps the tensors alive."""
+
+    def __init__(self, router, router_bias, experts: ExpertWeights, top_k: int, order: int, renormalize: bool,
+                 load: torch.Tensor, act: int = 0, packed: bool = False):
+        if load.dtype != torch.int64 or load.shape != (experts.count,) or not load.is_contiguous():
+            raise ValueError(f"the expert load must be int64 [{experts.count}], contiguous")
+        self.experts, self.load, self.router_bias = experts, load, router_bias
+        self.packed = packed  # some of its weights are packed bf16 (the bf16 paths' row limit applies)
+        self.router = _proj(router, act)
+        self.descriptor = _MoE(
+            ctypes.pointer(self.router),
+            _ptr(router_bias),
+            experts.gate_up,
+            experts.down,
+            experts.count,
+            top_k,
+            order,
+            int(renormalize),
+            experts.inter,
+            load.data_ptr(),
+        )
 
 
 class NativeKernels:
@@ -577,6 +625,17 @@ class NativeKernels:
             None if w.ext is None else ctypes.addressof(w.ext),
             _ptr(starts),
         )
+
+    def moe_forward_bf16(self, x: torch.Tensor, moe: MoEWeights, residual: torch.Tensor) -> None:
+        """residual += the mixture of experts' output for bf16 rows x [T, E] (the layer's normed input), in place
+        (bf16 [T, E], contiguous): router, routing, every expert of the step in one call; adds each expert's routed
+        rows to moe.load."""
+        t, e = x.shape
+        if not (x.dtype == residual.dtype == torch.bfloat16 and residual.shape == x.shape):
+            raise ValueError("moe_forward_bf16: bf16 rows and a bf16 residual of the same shape")
+        if not (x.is_contiguous() and residual.is_contiguous()):
+            raise ValueError("moe_forward_bf16: contiguous rows and residual")
+        self.lib.moe_forward_bf16(x.data_ptr(), t, e, ctypes.addressof(moe.descriptor), residual.data_ptr())
 
     def moe_experts_bf16(
         self,

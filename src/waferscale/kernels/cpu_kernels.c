@@ -848,6 +848,7 @@ typedef struct {
     const void *q_norm, *k_norm;     /* [D] each, or NULL */
     const void *post_attn, *post_ff; /* [E] each, or NULL */
     int64_t act;
+    const void *moe; /* a moe_t: the layer's feed-forward is a mixture of experts (gate_up, down unused); or NULL */
 } layer_ext_t;
 
 /* decode_attention_bf16 below, with the per-head q and k norms of ext (may be NULL) before rope and each row's
@@ -953,6 +954,21 @@ static void proj_run(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, i
     }
 }
 
+/* A mixture-of-experts feed-forward as moe_forward_bf16 reads it: the router (a projection, and its float32 bias
+ * or NULL), each expert's projections (as moe_experts_bf16 reads them), the routing (order MOE_SOFTMAX_TOPK: softmax
+ * over the experts, then the k largest, divided by their sum where renormalize; MOE_TOPK_SOFTMAX: the k largest
+ * logits, then softmax over them), and load: int64 [num_experts], the rows routed to each expert, added to. */
+enum { MOE_SOFTMAX_TOPK = 0, MOE_TOPK_SOFTMAX = 1 };
+typedef struct {
+    const proj_t *router;
+    const float *router_bias;
+    const proj_t *gate_up, *down;
+    int64_t num_experts, top_k, order, renormalize, inter;
+    int64_t *load;
+} moe_t;
+
+void moe_forward_bf16(const uint16_t *x, int64_t M, int64_t E, const moe_t *moe, uint16_t *h);
+
 /* h[i] = bf16(h[i] + norm(y[i])) for bf16 rows h, y [M, E]: a Gemma sandwich norm's output and its residual add,
  * as torch's ops round them (y is normalised in place). */
 static void add_normed(uint16_t *h, uint16_t *y, const void *w, int kind, int64_t M, int64_t E, float eps) {
@@ -960,10 +976,36 @@ static void add_normed(uint16_t *h, uint16_t *y, const void *w, int kind, int64_
     for (int64_t i = 0; i < M * E; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(y[i]));
 }
 
+/* h += down(act(gate(x)) * up(x)) for decode_layer (x [M, E], the normed rows; act [M, I], scratch), with Gemma's
+ * norm of the output before the residual add where ext has it: x is overwritten. */
+static void dense_mlp(uint16_t *h, uint16_t *x, uint16_t *act, const proj_t *gate_up_w, const proj_t *down_w,
+                      int64_t M, int64_t E, int64_t I, const layer_ext_t *ext, int kind, float eps) {
+    if (ext && ext->act == ACT_GELU_TANH) { /* gate/up in bf16 as the projection gives them, then gelu_mul_bf16 */
+        uint16_t *gu = (uint16_t *)malloc((size_t)(M * 2 * I) * sizeof(uint16_t));
+        proj_run(gate_up_w, x, M, E, 2 * I, NULL, NULL, gu, 1);
+        gelu_mul_bf16(gu, act, M, I);
+        free(gu);
+    } else if (gate_up_w->packed) {
+        gemm_run(x, 1, gate_up_w->packed, NULL, act, 1, NULL, EPI_SILU_MUL, M, E, 2 * I);
+    } else { /* quantized: gate/up in bf16 as the projection gives them, then silu_mul_bf16 (as the modules) */
+        uint16_t *gu = (uint16_t *)malloc((size_t)(M * 2 * I) * sizeof(uint16_t));
+        proj_run(gate_up_w, x, M, E, 2 * I, NULL, NULL, gu, 1);
+        silu_mul_bf16(gu, act, M, I);
+        free(gu);
+    }
+    if (ext && ext->post_ff) {
+        proj_run(down_w, act, M, I, E, NULL, NULL, x, 1);
+        add_normed(h, x, ext->post_ff, kind, M, E, eps);
+    } else {
+        proj_run(down_w, act, M, I, E, NULL, h, h, 1);
+    }
+}
+
 /* One decoder layer for decode rows only (row b: one sequence's next token), in place on the bf16 hidden states
  * h [M, E]. Llama's (ext NULL): h += o(attention(rope(qkv(norm1(h))))), then h += down(silu(gate(x)) * up(x))
  * with x = norm2(h). ext adds what Qwen3 and Gemma 3 have (layer_ext_t): q/k norms before rope, a norm on each
- * branch's output before its residual add, tanh-GELU, Gemma's norms; starts: each row's first visible position
+ * branch's output before its residual add, tanh-GELU, Gemma's norms, or a mixture of experts in place of the MLP
+ * (moe_forward_bf16: gate_up_w, I and down_w unused); starts: each row's first visible position
  * (a sliding window; NULL: none). The same kernels, in the same order, as the layer's modules call one by one
  * (bit-identical), in one call: for a few rows, Python's per-module overhead is much of a step. Projections as
  * proj_t above (a quantized gate/up: gate rows first, then silu * up as torch's bf16 ops round it); qkv_bias
@@ -991,25 +1033,10 @@ void decode_layer(uint16_t *h, int64_t M, int64_t E, const void *norm1, const pr
         proj_run(o_w, att, M, H * D, E, NULL, h, h, 1); /* each output reads its residual, then writes it */
     }
     norm_rows(h, norm2, kind, x, M, E, eps);
-    if (ext && ext->act == ACT_GELU_TANH) { /* gate/up in bf16 as the projection gives them, then gelu_mul_bf16 */
-        uint16_t *gu = (uint16_t *)malloc((size_t)(M * 2 * I) * sizeof(uint16_t));
-        proj_run(gate_up_w, x, M, E, 2 * I, NULL, NULL, gu, 1);
-        gelu_mul_bf16(gu, act, M, I);
-        free(gu);
-    } else if (gate_up_w->packed) {
-        gemm_run(x, 1, gate_up_w->packed, NULL, act, 1, NULL, EPI_SILU_MUL, M, E, 2 * I);
-    } else { /* quantized: gate/up in bf16 as the projection gives them, then silu_mul_bf16 (as the modules) */
-        uint16_t *gu = (uint16_t *)malloc((size_t)(M * 2 * I) * sizeof(uint16_t));
-        proj_run(gate_up_w, x, M, E, 2 * I, NULL, NULL, gu, 1);
-        silu_mul_bf16(gu, act, M, I);
-        free(gu);
-    }
-    if (ext && ext->post_ff) {
-        proj_run(down_w, act, M, I, E, NULL, NULL, x, 1);
-        add_normed(h, x, ext->post_ff, kind, M, E, eps);
-    } else {
-        proj_run(down_w, act, M, I, E, NULL, h, h, 1);
-    }
+    if (ext && ext->moe)
+        moe_forward_bf16(x, M, E, (const moe_t *)ext->moe, h);
+    else
+        dense_mlp(h, x, act, gate_up_w, down_w, M, E, I, ext, kind, eps);
     free(x);
     free(qkv);
     free(att);
@@ -1110,9 +1137,8 @@ void masked_argmax(const float *x, int64_t B, int64_t V, const uint32_t *mask, i
  * takes the next counts[e] rows of xs [S, E] (0 for an expert no row chose), y = down(silu(gate(x)) * up(x)) through
  * its projections (proj_t: packed bf16, gate/up in pairs of panels; or quantized parts, gate rows first), and each
  * of its rows s adds bf16(y * w[s]) to out[tokens[s]] (float32 [T, E], zeroed by the caller), experts in id order:
- * the kernels, roundings and order of the experts' modules called one by one from Python (bit-identical for bf16
- * experts; after a quantized gate/up, torch's bf16 SiLU and silu_mul_tile's may round a rare tie apart, as in
- * decode_layer). */
+ * the kernels, roundings and order of the experts' modules called one by one from Python (bit-identical: a
+ * quantized gate/up's SiLU is silu_mul_bf16, as the modules call it). */
 void moe_experts_bf16(const uint16_t *xs, const int64_t *tokens, const uint16_t *w, const int64_t *counts,
                       const proj_t *gate_up, const proj_t *down, int64_t num_experts, int64_t E, int64_t I,
                       float *out) {
@@ -1122,7 +1148,6 @@ void moe_experts_bf16(const uint16_t *xs, const int64_t *tokens, const uint16_t 
     uint16_t *act = (uint16_t *)malloc((size_t)(most * I) * sizeof(uint16_t));
     uint16_t *y = (uint16_t *)malloc((size_t)(most * E) * sizeof(uint16_t));
     uint16_t *gu = NULL;
-    float *gf = NULL;
     for (int64_t e = 0, s = 0; e < num_experts; s += counts[e], e++) {
         const int64_t n = counts[e];
         if (!n) continue;
@@ -1130,16 +1155,10 @@ void moe_experts_bf16(const uint16_t *xs, const int64_t *tokens, const uint16_t 
         if (gate_up[e].packed) {
             gemm_run(x, 1, gate_up[e].packed, NULL, act, 1, NULL, EPI_SILU_MUL, n, E, 2 * I);
         } else { /* bf16 out, as the expert's QuantLinear gives it (qgemm rounds its 6-row path's sums otherwise
-                  * than a float32 output would), then torch's bf16 silu and product */
-            if (!gu) {
-                gu = (uint16_t *)malloc((size_t)(most * 2 * I) * sizeof(uint16_t));
-                gf = (float *)malloc((size_t)(2 * I) * sizeof(float));
-            }
+                  * than a float32 output would), then silu_mul_bf16 as the expert's module calls it */
+            if (!gu) gu = (uint16_t *)malloc((size_t)(most * 2 * I) * sizeof(uint16_t));
             proj_run(gate_up + e, x, n, E, 2 * I, NULL, NULL, gu, 1);
-            for (int64_t m = 0; m < n; m++) {
-                for (int64_t j = 0; j < 2 * I; j++) gf[j] = bf16_to_f32(gu[m * 2 * I + j]);
-                silu_mul_tile(gf, gf + I, act + m * I, I);
-            }
+            silu_mul_bf16(gu, act, n, I);
         }
         proj_run(down + e, act, n, I, E, NULL, NULL, y, 1);
         for (int64_t r = 0; r < n; r++) {
@@ -1150,7 +1169,97 @@ void moe_experts_bf16(const uint16_t *xs, const int64_t *tokens, const uint16_t 
         }
     }
     free(gu);
-    free(gf);
     free(act);
     free(y);
+}
+
+/* Per row t of bf16 router logits [T, NE]: ids[t, :k], the k experts chosen (largest first; the lower id first
+ * among equal values), and w[t, :k], their weights rounded to bf16, by the routing order of moe_t. One function for
+ * the layer's module and the whole-layer decode call, so that both choose the same experts with the same weights. */
+void moe_route_bf16(const uint16_t *logits, int64_t T, int64_t NE, int64_t k, int64_t order, int64_t renormalize,
+                    int64_t *ids, uint16_t *w) {
+    float *p = (float *)malloc((size_t)NE * sizeof(float));
+    float *top = (float *)malloc((size_t)k * sizeof(float));
+    unsigned char *taken = (unsigned char *)malloc((size_t)NE);
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *l = logits + t * NE;
+        float m = -INFINITY;
+        for (int64_t e = 0; e < NE; e++) {
+            p[e] = bf16_to_f32(l[e]);
+            m = p[e] > m ? p[e] : m;
+        }
+        if (order == MOE_SOFTMAX_TOPK) {
+            float sum = 0.f;
+            for (int64_t e = 0; e < NE; e++) {
+                p[e] = expf(p[e] - m);
+                sum += p[e];
+            }
+            for (int64_t e = 0; e < NE; e++) p[e] /= sum;
+        }
+        memset(taken, 0, (size_t)NE);
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < NE; e++)
+                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+            taken[best] = 1;
+            ids[t * k + j] = best;
+            top[j] = p[best];
+        }
+        float sum = 0.f;
+        if (order == MOE_TOPK_SOFTMAX) {
+            const float largest = top[0];
+            for (int64_t j = 0; j < k; j++) {
+                top[j] = expf(top[j] - largest);
+                sum += top[j];
+            }
+        } else if (renormalize) {
+            for (int64_t j = 0; j < k; j++) sum += top[j];
+        }
+        for (int64_t j = 0; j < k; j++) w[t * k + j] = f32_to_bf16(sum > 0.f ? top[j] / sum : top[j]);
+    }
+    free(p);
+    free(top);
+    free(taken);
+}
+
+/* A mixture-of-experts feed-forward for bf16 rows x [M, E] (the layer's normed input), added in place to the
+ * residual h [M, E]: router logits in bf16 (as its projection gives them), moe_route_bf16, the (row, slot) pairs
+ * grouped by expert (a row's slots in order within an expert, as models/layers/moe.py's group_by_expert), the
+ * experts by moe_experts_bf16, then h = bf16(h + bf16(sum)) as torch adds the layer's bf16 output to its residual;
+ * each expert's routed rows added to moe->load. */
+void moe_forward_bf16(const uint16_t *x, int64_t M, int64_t E, const moe_t *moe, uint16_t *h) {
+    const int64_t NE = moe->num_experts, k = moe->top_k, S = M * k;
+    uint16_t *logits = (uint16_t *)malloc((size_t)(M * NE) * sizeof(uint16_t));
+    int64_t *ids = (int64_t *)malloc((size_t)S * sizeof(int64_t));
+    uint16_t *wt = (uint16_t *)malloc((size_t)S * sizeof(uint16_t));
+    proj_run(moe->router, x, M, E, NE, moe->router_bias, NULL, logits, 1);
+    moe_route_bf16(logits, M, NE, k, moe->order, moe->renormalize, ids, wt);
+    int64_t *counts = (int64_t *)calloc((size_t)NE, sizeof(int64_t));
+    int64_t *next = (int64_t *)malloc((size_t)NE * sizeof(int64_t));
+    for (int64_t s = 0; s < S; s++) counts[ids[s]]++;
+    for (int64_t e = 0, at = 0; e < NE; at += counts[e], e++) {
+        next[e] = at;
+        if (moe->load) moe->load[e] += counts[e];
+    }
+    int64_t *tokens = (int64_t *)malloc((size_t)S * sizeof(int64_t));
+    uint16_t *xs = (uint16_t *)malloc((size_t)(S * E) * sizeof(uint16_t));
+    uint16_t *wg = (uint16_t *)malloc((size_t)S * sizeof(uint16_t));
+    for (int64_t s = 0; s < S; s++) { /* a counting sort: stable, as torch.argsort(stable=True) */
+        const int64_t at = next[ids[s]]++;
+        tokens[at] = s / k;
+        wg[at] = wt[s];
+        memcpy(xs + at * E, x + (s / k) * E, (size_t)E * sizeof(uint16_t));
+    }
+    float *out = (float *)calloc((size_t)(M * E), sizeof(float));
+    moe_experts_bf16(xs, tokens, wg, counts, moe->gate_up, moe->down, NE, E, moe->inter, out);
+    for (int64_t i = 0; i < M * E; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(f32_to_bf16(out[i])));
+    free(logits);
+    free(ids);
+    free(wt);
+    free(counts);
+    free(next);
+    free(tokens);
+    free(xs);
+    free(wg);
+    free(out);
 }

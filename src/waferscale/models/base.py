@@ -11,7 +11,7 @@ from waferscale.kernels import ACT_GELU_TANH, ACT_SILU, DecodeLayerWeights
 from waferscale.models.config import ModelConfig, embed_scale
 from waferscale.models.layers.embedding import Embedding
 from waferscale.models.layers.linear import Linear, LoadContext, put
-from waferscale.models.layers.moe import split_stacked_experts
+from waferscale.models.layers.moe import SparseMoE, split_stacked_experts
 from waferscale.models.layers.norm import RMSNorm
 from waferscale.models.layers.rotary import Rotary
 from waferscale.models.quant import ACT_MODE, QuantWeight
@@ -31,12 +31,17 @@ def layer_decode_weights(layer: nn.Module, norms: tuple, branch_norms: tuple = (
         return None
     if len({type(n).kind for n in all_norms}) != 1:
         return None
-    qkv, o, down = (p.method.decode_weight() for p in (attn.qkv_proj, attn.o_proj, mlp.down_proj))
-    gate_up = mlp.decode_gate_up()
-    if any(w is None for w in (qkv, o, gate_up, down)):
+    qkv, o = (p.method.decode_weight() for p in (attn.qkv_proj, attn.o_proj))
+    if qkv is None or o is None or attn.o_proj.bias is not None:
         return None
-    if any(p.bias is not None for p in (attn.o_proj, mlp.down_proj, mlp.gate_up_proj)):
-        return None
+    if isinstance(mlp, SparseMoE):  # experts in place of the MLP: router, routing and experts in the same call
+        moe, gate_up, down, inter, act = mlp.native_weights(), None, None, mlp.experts.inter, "silu"
+        if moe is None:
+            return None
+    else:
+        moe, gate_up, down, inter, act = None, mlp.decode_gate_up(), mlp.down_proj.method.decode_weight(), mlp.inter, mlp.act
+        if gate_up is None or down is None or any(p.bias is not None for p in (mlp.down_proj, mlp.gate_up_proj)):
+            return None
     q_norm, k_norm = attn.decode_norms()
     post_attn, post_ff = (None if n is None else n.decode_weight() for n in branch_norms)
     return DecodeLayerWeights(
@@ -46,7 +51,7 @@ def layer_decode_weights(layer: nn.Module, norms: tuple, branch_norms: tuple = (
         o=o,
         norm2=norms[1].decode_weight(),
         gate_up=gate_up,
-        inter=mlp.inter,
+        inter=inter,
         down=down,
         eps=norms[0].eps,
         act=ACT_MODE,
@@ -55,7 +60,8 @@ def layer_decode_weights(layer: nn.Module, norms: tuple, branch_norms: tuple = (
         k_norm=k_norm,
         post_attn=post_attn,
         post_ff=post_ff,
-        mlp_act=ACT_SILU if mlp.act == "silu" else ACT_GELU_TANH,
+        mlp_act=ACT_SILU if act == "silu" else ACT_GELU_TANH,
+        moe=moe,
     )
 
 
@@ -149,7 +155,7 @@ class CausalLM(nn.Module):
             # hardware); layers whose projections are all quantized take qgemm either way, at any batch size
             packed = any(
                 isinstance(p, torch.Tensor) for w in layers if w is not None for p in (w.qkv, w.o, w.gate_up, w.down)
-            )
+            ) or any(w.moe.packed for w in layers if w is not None and w.moe is not None)
             self.decode_rows = ctx.native_rows if packed else None
         return added
 

@@ -22,10 +22,6 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
             moe = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, routing, cfg.hidden_act)
         super().__init__(cfg, index, qk_norm=RMSNorm, mlp=moe)
 
-    def decode_weights(self):
-        """A sparse layer is not one native call (the whole-layer decode kernel has a dense MLP)."""
-        return None if isinstance(self.mlp, SparseMoE) else super().decode_weights()
-
 
 class Qwen3MoeForCausalLM(CausalLM):
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:

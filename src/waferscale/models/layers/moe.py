@@ -84,8 +84,9 @@ class NativeExperts:
     (kernels.moe_experts_bf16), the same kernels and roundings as GroupedExperts (bit-identical for bf16 experts; a
     quantized expert's SiLU may round a rare tie apart); other batches go to `fallback`."""
 
-    def __init__(self, kernels, weights, max_rows: int | None, fallback: GroupedExperts):
+    def __init__(self, kernels, weights, max_rows: int | None, fallback: GroupedExperts, packed: bool = False):
         self.kernels, self.weights, self.max_rows, self.fallback = kernels, weights, max_rows, fallback
+        self.packed = packed  # some experts are packed bf16
 
     def apply(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16 or not within(x.shape[0], self.max_rows):
@@ -132,7 +133,7 @@ class Experts(nn.ModuleList):
             # Qwen3-30B-A3B's shape in bf16: a 1.9 GB peak above the loaded size)
             trim_heap()
         self.method = GroupedExperts(self)
-        if ctx.kernels is None or ctx.dtype != torch.bfloat16:
+        if ctx.kernels is None or ctx.dtype != torch.bfloat16 or self[0].act != "silu":
             return
         gate_up = [e.decode_gate_up() for e in self]
         down = [e.down_proj.method.decode_weight() for e in self]
@@ -145,7 +146,8 @@ class Experts(nn.ModuleList):
         rows = min((r for e in self for r in (e.pair_rows, getattr(e.down_proj.method, "max_rows", None))
                     if r is not None), default=None)
         weights = ExpertWeights(gate_up, down, self.inter, quant.modules.ACT_MODE)  # as QuantLinear passes it
-        self.method = NativeExperts(ctx.kernels, weights, rows, self.method)
+        packed = any(isinstance(w, torch.Tensor) for w in gate_up + down)
+        self.method = NativeExperts(ctx.kernels, weights, rows, self.method, packed)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum over a token's k experts of weight * expert(x), float32 [T, hidden]; experts are taken in id order
@@ -182,9 +184,40 @@ class SparseMoE(nn.Module):
         self.shared_expert = GatedMLP(hidden_size, shared, act) if shared else None
         self.shared_expert_gate = Linear(hidden_size, 1) if shared and shared_gate else None
         self.expert_load = torch.zeros(num_experts, dtype=torch.int64)  # rows routed to each expert since loading
+        self._native: tuple | None = None  # (MoEWeights or None, its row limit), once the methods are chosen
+
+    def native_weights(self):
+        """The whole layer as one native call reads it (waferscale.kernels.MoEWeights: router, routing, experts), or
+        None where a part is not native (experts off the one-call path, a router without a native weight, a shared
+        expert). Built on first use, after loading has chosen every part's method."""
+        if self._native is None:
+            self._native = self._build_native()
+        return self._native[0]
+
+    def _build_native(self) -> tuple:
+        method, router = self.experts.method, self.gate.method
+        if not isinstance(method, NativeExperts) or self.shared_expert is not None or router is None:
+            return None, None
+        weight, bias = router.decode_weight(), router.decode_bias()
+        if weight is None or (self.gate.bias is not None and bias is None):
+            return None, None
+        from waferscale.kernels import MOE_SOFTMAX_TOPK, MOE_TOPK_SOFTMAX, MoEWeights
+
+        order = MOE_SOFTMAX_TOPK if self.routing.order == SOFTMAX_TOPK else MOE_TOPK_SOFTMAX
+        limits = [r for r in (method.max_rows, getattr(router, "max_rows", None)) if r is not None]
+        packed = isinstance(weight, torch.Tensor) or method.packed
+        moe = MoEWeights(weight, bias, method.weights, self.routing.top_k, order, self.routing.renormalize,
+                         self.expert_load, quant.modules.ACT_MODE, packed=packed)
+        return moe, min(limits, default=None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for rows x [T, hidden] (in x's dtype), plus `residual` when given."""
+        moe = self.native_weights()
+        if moe is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and within(x.shape[0], self._native[1]):
+            # router, routing and experts in one native call: the whole-layer decode call's, bit for bit
+            out = torch.zeros_like(x) if residual is None else residual.contiguous().clone()
+            self.experts.method.kernels.moe_forward_bf16(x.contiguous(), moe, out)
+            return out
         logits = self.gate(x)
         weights, ids = self.routing.route(logits)
         self.expert_load += torch.bincount(ids.reshape(-1), minlength=len(self.expert_load))
