@@ -721,6 +721,7 @@ static sc_t sc_of(const void *v, const float *sup, int fmt, int sgn, int64_t G) 
  * (<= 8128), and the super-block's integer sum within 2^31 (scales <= 127). */
 #ifdef WQ_AVX2
 #define KS 256
+enum { NIBBLES_256 = 1, NIBBLES_512 = 2 }; /* quantize_rows_k's layouts of x for 4-bit weights */
 
 /* rows of x [M, K] -> int8 xq [M, K], one scale a 256 xd [M, K / 256], and per 32 the sums of xq, xb [M, K / 32].
  * nibbles: each pair of 32-blocks (A, B) laid out as A 0-15, B 0-15, A 16-31, B 16-31, the order in which a 32-byte
@@ -743,8 +744,12 @@ static void quantize_rows_k(const void *x, int x_bf16, int64_t M, int64_t K, int
                 int32_t sum = 0;
                 for (int i = 0; i < QB; i++) {
                     const int8_t q = (int8_t)lrintf(xm[b * QB + i] * id);
-                    /* nibbles: block b = 2p + h, value i at 64 p + 32 (i >= 16) + 16 h + i % 16 */
-                    const int at = nibbles ? 64 * (b / 2) + 32 * (i >= 16) + 16 * (b % 2) + i % 16 : b * QB + i;
+                    /* nibbles: block b = 2p + h, value i at 64 p + 32 (i >= 16) + 16 h + i % 16; NIBBLES_512: at
+                     * 128 (p / 2) + 64 (i >= 16) + 32 (p % 2) + 16 h + i % 16 (two pairs a 64-byte load) */
+                    const int p = b / 2, h = b % 2, hi = i >= 16;
+                    const int at = nibbles == NIBBLES_512 ? 128 * (p / 2) + 64 * hi + 32 * (p % 2) + 16 * h + i % 16
+                                   : nibbles          ? 64 * p + 32 * hi + 16 * h + i % 16
+                                                      : b * QB + i;
                     xq[m * K + s0 + at] = q;
                     sum += q;
                 }
@@ -829,6 +834,90 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
     for (int m = 0; m < mt; m++) sums[m] = hsum(acc[m]) + mins[m];
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+/* row_k with 64-byte steps (AVX-512BW): half the instructions a weight. A step's products take their scales by one
+ * permute of the super-block's integer scales: int16 lane l of the step's pair sums gets scale first + l / span.
+ * 4-bit: two pairs of blocks a step (x as quantize_rows_k's NIBBLES_512 lays it out); 8-bit: two 32-blocks or four
+ * 16-groups a step, signs moved onto x by a masked negation. The mins: their 8 integer products with x's block sums
+ * formed together, scaled in float32 per super-block. Every row's result depends only on that row. */
+static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, const sc_t *ws, const sc_t *wm,
+                                                           const int8_t *xq, const float *xd, const int32_t *xb,
+                                                           int64_t K, float sums[4], const int mt, const int bits,
+                                                           const int sgn, const int g16) {
+    __m512 acc[4];
+    __m256 macc[4];
+    for (int m = 0; m < mt; m++) {
+        acc[m] = _mm512_setzero_ps();
+        macc[m] = _mm256_setzero_ps();
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const int per = g16 ? 16 : 8;         /* groups a super-block */
+    const int steps = KS * bits / 8 / 64; /* 64-byte steps a super-block: 2 or 4 */
+    const int stride = bits == 4 || g16 ? 4 : 2, shift = bits == 4 || g16 ? 3 : 4;
+    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
+                                          13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i sidx[4];
+    for (int c = 0; c < steps; c++)
+        sidx[c] = _mm512_add_epi16(_mm512_set1_epi16((int16_t)(stride * c)), _mm512_srli_epi16(iota, shift));
+    for (int64_t sb = 0; sb < K / KS; sb++) {
+        const int64_t k0 = sb * KS;
+        const uint8_t *wb = w + (k0 * bits) / 8;
+        for (int o = 0; o < KS * bits / 8; o += 64) _mm_prefetch((const char *)(wb + o + PF_AHEAD), _MM_HINT_T0);
+        __m512i isum[4];
+        for (int m = 0; m < mt; m++) isum[m] = _mm512_setzero_si512();
+        const uint8_t *scb = ws->b + sb * per;
+        const __m512i s16 =
+            g16 ? _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scb)))
+                : _mm512_zextsi128_si512(sgn ? _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)scb))
+                                             : _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)scb)));
+        if (bits == 4) {
+            for (int c = 0; c < 2; c++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(wb + 64 * c));
+                const __m512i lo = _mm512_and_si512(raw, low4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                const __m512i sc = _mm512_permutexvar_epi16(sidx[c], s16);
+                for (int m = 0; m < mt; m++) {
+                    const int8_t *xp = xq + m * K + k0 + 128 * c;
+                    const __m512i a = _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void *)xp));
+                    const __m512i b = _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void *)(xp + 64)));
+                    isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_madd_epi16(a, sc),
+                                                                         _mm512_madd_epi16(b, sc)));
+                }
+            }
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m512i wv = _mm512_loadu_si512((const void *)(wb + 64 * c));
+                const __m512i wu = sgn ? _mm512_abs_epi8(wv) : wv;
+                const __mmask64 neg = sgn ? _mm512_movepi8_mask(wv) : 0;
+                const __m512i sc = _mm512_permutexvar_epi16(sidx[c], s16);
+                for (int m = 0; m < mt; m++) {
+                    __m512i xv = _mm512_loadu_si512((const void *)(xq + m * K + k0 + 64 * c));
+                    if (sgn) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                    isum[m] = _mm512_add_epi32(isum[m], _mm512_madd_epi16(_mm512_maddubs_epi16(wu, xv), sc));
+                }
+            }
+        }
+        const float d = ws->sup[sb];
+        for (int m = 0; m < mt; m++) {
+            const float dx = xd[m * (K / KS) + sb];
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(d * dx), acc[m]);
+            if (wm->b) {
+                const __m256i mb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wm->b + sb * 8)));
+                const __m256i gb = _mm256_loadu_si256((const __m256i *)(xb + m * (K / QB) + sb * 8));
+                macc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mb, gb)),
+                                          _mm256_set1_ps(wm->sup[sb] * dx), macc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++) sums[m] = _mm512_reduce_add_ps(acc[m]) + (wm->b ? hsum(macc[m]) : 0.f);
+}
+#define ROW_K row_k512
+#define NIBBLES NIBBLES_512
+#else
+#define ROW_K row_k
+#define NIBBLES NIBBLES_256
+#endif
+
 #define KROWS_FN(B, S, G16)                                                                                       \
     static __attribute__((noinline)) void krows_##B##_##S##_##G16(                                                 \
         const int8_t *xq, const float *xd, const int32_t *xb, int64_t M, int64_t K, const uint8_t *w,            \
@@ -843,10 +932,10 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
                 const float *dm = xd + m0 * (K / KS);                                                             \
                 const int32_t *bm = xb + m0 * (K / QB);                                                           \
                 float sums[4];                                                                                    \
-                if (mt == 4) row_k(wn, &sr, &mr, xm, dm, bm, K, sums, 4, B, S, G16);                              \
-                else if (mt == 3) row_k(wn, &sr, &mr, xm, dm, bm, K, sums, 3, B, S, G16);                         \
-                else if (mt == 2) row_k(wn, &sr, &mr, xm, dm, bm, K, sums, 2, B, S, G16);                         \
-                else row_k(wn, &sr, &mr, xm, dm, bm, K, sums, 1, B, S, G16);                                      \
+                if (mt == 4) ROW_K(wn, &sr, &mr, xm, dm, bm, K, sums, 4, B, S, G16);                              \
+                else if (mt == 3) ROW_K(wn, &sr, &mr, xm, dm, bm, K, sums, 3, B, S, G16);                         \
+                else if (mt == 2) ROW_K(wn, &sr, &mr, xm, dm, bm, K, sums, 2, B, S, G16);                         \
+                else ROW_K(wn, &sr, &mr, xm, dm, bm, K, sums, 1, B, S, G16);                                      \
                 for (int64_t i = 0; i < mt; i++) put(sums[i], m0 + i, n, bias, res, out, out_bf16, ldo);          \
             }                                                                                                     \
     }
@@ -872,7 +961,7 @@ static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xd = (float *)malloc((size_t)(M * (K / KS)) * sizeof(float));
     int32_t *xb = (int32_t *)malloc((size_t)(M * (K / QB)) * sizeof(int32_t));
-    quantize_rows_k(x, x_bf16, M, K, bits == 4, xq, xd, xb);
+    quantize_rows_k(x, x_bf16, M, K, bits == 4 ? NIBBLES : 0, xq, xd, xb);
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n0 = 4 * g, n1 = n0 + 4 < N ? n0 + 4 : N;
