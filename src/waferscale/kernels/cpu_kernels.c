@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(WS_PORTABLE)
 #include <immintrin.h>
@@ -807,19 +808,20 @@ void rmsnorm_gemma_bf16(const uint16_t *x, const float *w1, uint16_t *y, int64_t
 
 /* y [M, I] = bf16(bf16(silu(gate)) * up) for gu [M, 2 I] bf16, gate columns first then up: a quantized gate/up's
  * SiLU middle (silu_mul_tile's rounding), one function for the modules' call and decode_layer's. */
+static inline void silu_mul_chunk(const uint16_t *gu, uint16_t *y, int64_t I, int64_t m, int64_t j0) {
+    float g[256], u[256];
+    const int64_t n = I - j0 < 256 ? I - j0 : 256;
+    for (int64_t j = 0; j < n; j++) {
+        g[j] = bf16_to_f32(gu[m * 2 * I + j0 + j]);
+        u[j] = bf16_to_f32(gu[m * 2 * I + I + j0 + j]);
+    }
+    silu_mul_tile(g, u, y + m * I + j0, n);
+}
+
 void silu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t M, int64_t I) {
 #pragma omp parallel for schedule(static) if (M > 8)
-    for (int64_t m = 0; m < M; m++) {
-        float g[256], u[256];
-        for (int64_t j0 = 0; j0 < I; j0 += 256) {
-            const int64_t n = I - j0 < 256 ? I - j0 : 256;
-            for (int64_t j = 0; j < n; j++) {
-                g[j] = bf16_to_f32(gu[m * 2 * I + j0 + j]);
-                u[j] = bf16_to_f32(gu[m * 2 * I + I + j0 + j]);
-            }
-            silu_mul_tile(g, u, y + m * I + j0, n);
-        }
-    }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j0 = 0; j0 < I; j0 += 256) silu_mul_chunk(gu, y, I, m, j0);
 }
 
 /* tanh-GELU: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as torch's gelu(approximate="tanh") in float32 */
@@ -927,6 +929,7 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
 /* One of a layer's projections for decode_layer: bf16 weights packed as for the GEMMs above (packed; gate/up in
  * pairs of panels), or else quantized parts stacked along N (quant_kernels.c's layouts: models/quant/'s
  * QuantWeight), multiplied by qgemm as QuantLinear calls it (act as it passes). */
+enum { SFMT_F32 = 0, SFMT_F16 = 1, SFMT_TWO_LEVEL = 2 }; /* quant_kernels.c's scale formats (SC_*) */
 typedef struct {
     const uint8_t *w;
     const void *scales, *mins;
@@ -1133,18 +1136,86 @@ void masked_argmax(const float *x, int64_t B, int64_t V, const uint32_t *mask, i
     }
 }
 
+/* y[:, r0:r1] (row stride ldy, bf16) = x W[r0:r1]^T for rows [r0, r1) of a projection's quantized parts stacked
+ * along N: qgemm on those weight rows only (each output depends only on its own weight row, so a slice gives the
+ * whole call's values). Called inside a parallel region, where qgemm's own loops run on the calling thread. */
+static void proj_rows(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, int64_t r0, int64_t r1, uint16_t *y,
+                      int64_t ldy) {
+    for (int64_t i = 0, base = 0; i < p->nparts; base += p->parts[i].rows, i++) {
+        const qpart_t *q = p->parts + i;
+        const int64_t a = r0 > base ? r0 : base, b = r1 < base + q->rows ? r1 : base + q->rows;
+        if (a >= b) continue;
+        const int64_t n = a - base, ng = K / q->group;
+        const int64_t sz = q->sfmt == SFMT_TWO_LEVEL ? 1 : q->sfmt == SFMT_F16 ? 2 : 4; /* bytes a scale */
+        const uint8_t *w = q->w + n * (q->bits == 8 ? K : K / 2);
+        const void *sc = (const uint8_t *)q->scales + n * ng * sz;
+        const void *mn = q->mins ? (const void *)((const uint8_t *)q->mins + n * ng * sz) : NULL;
+        const float *sup = q->sup ? q->sup + n * (K / 256) : NULL, *supm = q->supm ? q->supm + n * (K / 256) : NULL;
+        qgemm(x, 1, M, K, w, (int)q->bits, (int)q->sgn, q->group, sc, mn, sup, supm, (int)q->sfmt, NULL, NULL, y + a,
+              1, ldy, b - a, (int)p->act);
+    }
+}
+
+/* thread t's share of n outputs among T: [share(t), share(t + 1)), in multiples of 16 */
+static inline int64_t share(int64_t n, int t, int T) { return t >= T ? n : (n * t / T) & ~(int64_t)15; }
+
+/* moe_experts_bf16 for a step whose experts all have quantized weights and a few rows each (decoding): every
+ * expert's projections in one parallel region, each thread taking its share of every expert's outputs (gate/up
+ * rows, then SiLU chunks, then down columns and their sums), instead of one parallel GEMM an expert: a decode step's
+ * experts are a few MB each, too little to amortise a parallel region apiece. The same values as the per-expert
+ * calls (a slice of qgemm's rows, silu_mul_bf16's chunks, the sums in expert order). */
+static void moe_experts_few(const uint16_t *xs, const int64_t *tokens, const uint16_t *w, const int64_t *counts,
+                            const proj_t *gate_up, const proj_t *down, int64_t num_experts, int64_t E, int64_t I,
+                            float *out) {
+    int64_t S = 0;
+    for (int64_t e = 0; e < num_experts; e++) S += counts[e];
+    uint16_t *gu = (uint16_t *)malloc((size_t)(S * 2 * I) * sizeof(uint16_t));
+    uint16_t *act = (uint16_t *)malloc((size_t)(S * I) * sizeof(uint16_t));
+    uint16_t *y = (uint16_t *)malloc((size_t)(S * E) * sizeof(uint16_t));
+    const int64_t chunks = (I + 255) / 256;
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t g0 = share(2 * I, t, T), g1 = share(2 * I, t + 1, T);
+        for (int64_t e = 0, s = 0; e < num_experts; s += counts[e], e++)
+            if (counts[e]) proj_rows(gate_up + e, xs + s * E, counts[e], E, g0, g1, gu + s * 2 * I, 2 * I);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < S * chunks; task++) silu_mul_chunk(gu, act, I, task / chunks, task % chunks * 256);
+        const int64_t d0 = share(E, t, T), d1 = share(E, t + 1, T);
+        for (int64_t e = 0, s = 0; e < num_experts; s += counts[e], e++)
+            if (counts[e]) proj_rows(down + e, act + s * I, counts[e], I, d0, d1, y + s * E, E);
+        for (int64_t s = 0; s < S; s++) { /* experts in id order, as moe_experts_bf16 adds them */
+            float *o = out + tokens[s] * E;
+            const float wv = bf16_to_f32(w[s]);
+            for (int64_t j = d0; j < d1; j++) o[j] += round_bf16(bf16_to_f32(y[s * E + j]) * wv);
+        }
+    }
+    free(gu);
+    free(act);
+    free(y);
+}
+
 /* A mixture-of-experts feed-forward for bf16 rows grouped by expert (models/layers/moe.py), in one call: expert e
  * takes the next counts[e] rows of xs [S, E] (0 for an expert no row chose), y = down(silu(gate(x)) * up(x)) through
  * its projections (proj_t: packed bf16, gate/up in pairs of panels; or quantized parts, gate rows first), and each
  * of its rows s adds bf16(y * w[s]) to out[tokens[s]] (float32 [T, E], zeroed by the caller), experts in id order:
  * the kernels, roundings and order of the experts' modules called one by one from Python (bit-identical: a
  * quantized gate/up's SiLU is silu_mul_bf16, as the modules call it). */
+#define MOE_FEW_ROWS 12 /* below it no expert's rows reach qgemm's tile path (AMX: tasks of 32 rows, a C tail) */
 void moe_experts_bf16(const uint16_t *xs, const int64_t *tokens, const uint16_t *w, const int64_t *counts,
                       const proj_t *gate_up, const proj_t *down, int64_t num_experts, int64_t E, int64_t I,
                       float *out) {
-    int64_t most = 0;
-    for (int64_t e = 0; e < num_experts; e++) most = counts[e] > most ? counts[e] : most;
+    int64_t most = 0, packed = 0;
+    for (int64_t e = 0; e < num_experts; e++) {
+        most = counts[e] > most ? counts[e] : most;
+        packed |= counts[e] && (gate_up[e].packed || down[e].packed);
+    }
     if (!most) return;
+    if (!packed && most < MOE_FEW_ROWS) {
+        moe_experts_few(xs, tokens, w, counts, gate_up, down, num_experts, E, I, out);
+        return;
+    }
     uint16_t *act = (uint16_t *)malloc((size_t)(most * I) * sizeof(uint16_t));
     uint16_t *y = (uint16_t *)malloc((size_t)(most * E) * sizeof(uint16_t));
     uint16_t *gu = NULL;
