@@ -925,11 +925,13 @@ void decode_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
 void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
            const void *scales, const void *mins, const float *sup, const float *supm, int sfmt, const float *bias,
            const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, int act);
+void qgemm_rows(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
+                const void *scales_v, const void *mins_v, const float *sup, const float *supm, int sfmt, void *out,
+                int out_bf16, int64_t ldo, int64_t n0, int64_t N, int act);
 
 /* One of a layer's projections for decode_layer: bf16 weights packed as for the GEMMs above (packed; gate/up in
  * pairs of panels), or else quantized parts stacked along N (quant_kernels.c's layouts: models/quant/'s
  * QuantWeight), multiplied by qgemm as QuantLinear calls it (act as it passes). */
-enum { SFMT_F32 = 0, SFMT_F16 = 1, SFMT_TWO_LEVEL = 2 }; /* quant_kernels.c's scale formats (SC_*) */
 typedef struct {
     const uint8_t *w;
     const void *scales, *mins;
@@ -1137,22 +1139,16 @@ void masked_argmax(const float *x, int64_t B, int64_t V, const uint32_t *mask, i
 }
 
 /* y[:, r0:r1] (row stride ldy, bf16) = x W[r0:r1]^T for rows [r0, r1) of a projection's quantized parts stacked
- * along N: qgemm on those weight rows only (each output depends only on its own weight row, so a slice gives the
- * whole call's values). Called inside a parallel region, where qgemm's own loops run on the calling thread. */
+ * along N, by qgemm_rows on each part's slice (the whole call's values). Called inside a parallel region, where
+ * qgemm's own loops run on the calling thread. */
 static void proj_rows(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, int64_t r0, int64_t r1, uint16_t *y,
                       int64_t ldy) {
     for (int64_t i = 0, base = 0; i < p->nparts; base += p->parts[i].rows, i++) {
         const qpart_t *q = p->parts + i;
         const int64_t a = r0 > base ? r0 : base, b = r1 < base + q->rows ? r1 : base + q->rows;
-        if (a >= b) continue;
-        const int64_t n = a - base, ng = K / q->group;
-        const int64_t sz = q->sfmt == SFMT_TWO_LEVEL ? 1 : q->sfmt == SFMT_F16 ? 2 : 4; /* bytes a scale */
-        const uint8_t *w = q->w + n * (q->bits == 8 ? K : K / 2);
-        const void *sc = (const uint8_t *)q->scales + n * ng * sz;
-        const void *mn = q->mins ? (const void *)((const uint8_t *)q->mins + n * ng * sz) : NULL;
-        const float *sup = q->sup ? q->sup + n * (K / 256) : NULL, *supm = q->supm ? q->supm + n * (K / 256) : NULL;
-        qgemm(x, 1, M, K, w, (int)q->bits, (int)q->sgn, q->group, sc, mn, sup, supm, (int)q->sfmt, NULL, NULL, y + a,
-              1, ldy, b - a, (int)p->act);
+        if (a < b)
+            qgemm_rows(x, 1, M, K, q->w, (int)q->bits, (int)q->sgn, q->group, q->scales, q->mins, q->sup, q->supm,
+                       (int)q->sfmt, y + a, 1, ldy, a - base, b - a, (int)p->act);
     }
 }
 
@@ -1181,7 +1177,8 @@ static void moe_experts_few(const uint16_t *xs, const int64_t *tokens, const uin
             if (counts[e]) proj_rows(gate_up + e, xs + s * E, counts[e], E, g0, g1, gu + s * 2 * I, 2 * I);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < S * chunks; task++) silu_mul_chunk(gu, act, I, task / chunks, task % chunks * 256);
+        for (int64_t task = 0; task < S * chunks; task++)
+            silu_mul_chunk(gu, act, I, task / chunks, task % chunks * 256);
         const int64_t d0 = share(E, t, T), d1 = share(E, t + 1, T);
         for (int64_t e = 0, s = 0; e < num_experts; s += counts[e], e++)
             if (counts[e]) proj_rows(down + e, act + s * I, counts[e], I, d0, d1, y + s * E, E);

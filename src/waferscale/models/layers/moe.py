@@ -81,8 +81,8 @@ class GroupedExperts:
 
 class NativeExperts:
     """bf16 batches of up to `max_rows` rows (None: any): every expert of the step in one native call
-    (kernels.moe_experts_bf16), the same kernels and roundings as GroupedExperts (bit-identical for bf16 experts; a
-    quantized expert's SiLU may round a rare tie apart); other batches go to `fallback`."""
+    (kernels.moe_experts_bf16), the same kernels and roundings as GroupedExperts, bit for bit; other batches go to
+    `fallback`."""
 
     def __init__(self, kernels, weights, max_rows: int | None, fallback: GroupedExperts, packed: bool = False):
         self.kernels, self.weights, self.max_rows, self.fallback = kernels, weights, max_rows, fallback
@@ -215,7 +215,7 @@ class SparseMoE(nn.Module):
         moe = self.native_weights()
         if moe is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and within(x.shape[0], self._native[1]):
             # router, routing and experts in one native call: the whole-layer decode call's, bit for bit
-            out = torch.zeros_like(x) if residual is None else residual.contiguous().clone()
+            out = torch.zeros_like(x) if residual is None else residual.clone(memory_format=torch.contiguous_format)
             self.experts.method.kernels.moe_forward_bf16(x.contiguous(), moe, out)
             return out
         logits = self.gate(x)
