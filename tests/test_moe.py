@@ -230,41 +230,68 @@ def test_quantized_experts_match_a_float_reference_with_uneven_routing(kind, mon
             assert ((got - want).norm() / want.norm()) < (1e-5 if dtype == torch.float32 else 0.01), (rows, dtype)
 
 
+GPT_OSS = "gpt-oss"  # router and expert biases, top k then softmax, the clamped SwiGLU
+
+
+def _expert_weight(kind: str, shape: tuple[int, int], seed: int):
+    """One expert projection's weight in `kind`: bf16, a GGUF block type, or MXFP4 in either nibble order."""
+    from waferscale.models.quant.mxfp4 import quantize_mxfp4
+
+    if kind == "bf16":
+        return (torch.randn(*shape) * 0.05).bfloat16()
+    if kind.startswith("MXFP4"):
+        return quantize_mxfp4(torch.randn(*shape) * 0.1, interleaved=kind.endswith("interleaved"))
+    return from_gguf(random_blocks(kind, *shape, seed=seed), kind, *shape)
+
+
 @pytest.mark.skipif(native is None, reason="native kernels could not be built here")
 @pytest.mark.parametrize(
     "kind, routing",
     [("bf16", (SOFTMAX_TOPK, True)), ("Q8_0", (TOPK_SOFTMAX, False)), ("Q4_K", (SOFTMAX_TOPK, True)),
-     ("Q6_K", (SOFTMAX_TOPK, False))],
+     ("Q6_K", (SOFTMAX_TOPK, False)), ("MXFP4", GPT_OSS), ("MXFP4 interleaved", GPT_OSS), ("Q8_0", GPT_OSS),
+     ("bf16", GPT_OSS)],
 )
 def test_one_native_call_matches_the_python_loop(kind, routing):
     """Every expert of a bf16 step in one native call, against the experts' modules called one by one: the same
-    bits, bf16 and quantized experts alike, with an expert that takes every row and one that takes none; and the
-    whole layer (router, routing, experts, residual add) in one call against routing in Python and the loop."""
+    bits, bf16 and quantized experts alike (gpt-oss's too: MXFP4 blocks, biases, the clamped SwiGLU), with an expert
+    that takes every row and one that takes none; and the whole layer (router, routing, experts, residual add) in
+    one call against routing in Python and the loop."""
     from waferscale.models.layers.moe import GroupedExperts
 
     torch.manual_seed(5)
     hidden, inter, experts = 256, 256, 8
-    layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, *routing))
+    gpt_oss = routing == GPT_OSS
+    if gpt_oss:
+        layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, TOPK_SOFTMAX), act="swiglu_clamped",
+                          router_bias=True, expert_bias=True, act_params={"alpha": 1.702, "limit": 7.0})
+    else:
+        layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, *routing))
     router = torch.randn(experts, hidden) * 0.3
     router[:, 0] = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, -10.0])  # expert 0 in every row's top 2, the last in none
-    layer.gate.load([router.bfloat16()], None, "gate")
+    layer.gate.load([router.bfloat16()], torch.randn(experts) * 0.1 if gpt_oss else None, "gate")
     for e, expert in enumerate(layer.experts):
         for proj, shape in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
-            if kind == "bf16":
-                w = (torch.randn(*shape) * 0.05).bfloat16()
-            else:
-                w = from_gguf(random_blocks(kind, *shape, seed=10 * e + len(proj)), kind, *shape)
-            getattr(expert, proj).load([w], None, f"experts.{e}.{proj}")
+            w = _expert_weight(kind, shape, seed=10 * e + len(proj))
+            bias = torch.randn(shape[0]) * 6 if gpt_oss else None  # gate/up beyond the clamps at +-7 now and then
+            getattr(expert, proj).load([w], bias, f"experts.{e}.{proj}")
     ctx = LoadContext(torch.bfloat16, native, kernels.cpu_has_native_bf16())
     for m in layer.modules():
         if hasattr(m, "process_weights_after_loading"):
             m.process_weights_after_loading(ctx)
     method = layer.experts.method
     assert isinstance(method, NativeExperts) and isinstance(method.fallback, GroupedExperts)
+    assert layer.native_weights() is not None
+    if gpt_oss:  # the clamps matter
+        gate, up = layer.experts[0].gate_up_proj(torch.randn(16, hidden).bfloat16()).split(inter, dim=-1)
+        assert (gate > 7).any() and (up.abs() > 7).any()
     for rows in (1, 3, 8, 16):
         x = torch.randn(rows, hidden).bfloat16()
         x[:, 0] = 4.0
-        weights, ids = layer.routing.route(layer.gate(x))
+        logits = layer.gate(x)
+        weights, ids = layer.routing.route(logits)
+        # among equal logits the native routing takes the lower id first (torch.topk has no such rule); the weights
+        # at equal logits are equal
+        ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :ACTIVE].contiguous()
         assert (ids == 0).any(-1).all() and not (ids == experts - 1).any()
         assert rows < 8 or len(ids.unique()) >= 4
         weights = weights.bfloat16()

@@ -106,6 +106,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gelu_mul_bf16.restype = None
     lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64]
     lib.silu_mul_bf16.restype = None
+    lib.swiglu_clamped_bf16.argtypes = [ptr, ptr, i64, i64, f32, f32]
+    lib.swiglu_clamped_bf16.restype = None
     lib.decode_attention_bf16.argtypes = [ptr] * 5 + [ctypes.c_int] + [ptr] * 6 + [i64] * 6 + [f32]
     lib.decode_attention_bf16.restype = None
     lib.gemm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
@@ -129,11 +131,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
     lib.decode_layer.argtypes += [ctypes.c_int] + [ptr] * 5 + [i64] * 5 + [f32, ptr, ptr]
     lib.decode_layer.restype = None
-    lib.moe_experts_bf16.argtypes = [ptr] * 6 + [i64] * 3 + [ptr]
+    lib.moe_experts_bf16.argtypes = [ptr] * 6 + [i64] * 3 + [ptr, ptr]
     lib.moe_experts_bf16.restype = None
     lib.moe_forward_bf16.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.moe_forward_bf16.restype = None
-    lib.mxfp4_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int, ptr, ptr, i64]
+    lib.mxfp4_gemm.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int, ptr, ptr, ptr]
+    lib.mxfp4_gemm.argtypes += [ctypes.c_int, i64]
     lib.mxfp4_gemm.restype = None
     return lib
 
@@ -215,29 +218,34 @@ def _kv_format(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: tor
 
 
 class _QPart(ctypes.Structure):
-    """cpu_kernels.c's qpart_t: one QuantWeight of a quantized projection."""
+    """cpu_kernels.c's qpart_t: one QuantWeight of a quantized projection (interleaved: MXFP4's nibble order)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("w", "scales", "mins", "sup", "supm")] + [
-        (name, ctypes.c_int64) for name in ("bits", "sgn", "group", "rows", "sfmt")
+        (name, ctypes.c_int64) for name in ("bits", "sgn", "group", "rows", "sfmt", "interleaved")
     ]
 
 
 class _Proj(ctypes.Structure):
-    """cpu_kernels.c's proj_t: packed bf16 panels, or quantized parts stacked along the output."""
+    """cpu_kernels.c's proj_t: packed bf16 panels, or quantized parts stacked along the output; a float32 bias or
+    NULL."""
 
     _fields_ = [
         ("packed", ctypes.c_void_p),
         ("parts", ctypes.POINTER(_QPart)),
         ("nparts", ctypes.c_int64),
         ("act", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
     ]
 
 
-def _proj(weight, act: int) -> _Proj:
-    """The descriptor of a packed bf16 weight (a tensor) or of a QuantLinear's parts (a list of QuantWeight); it
-    keeps its parts' array alive, and the caller the tensors."""
+def _proj(weight, act: int, bias: torch.Tensor | None = None) -> _Proj:
+    """The descriptor of a packed bf16 weight (a tensor) or of a QuantLinear's parts (a list of QuantWeight, MXFP4
+    among them), with its float32 bias or None; it keeps its parts' array alive, and the
+    caller the tensors."""
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError("a projection's bias is float32, contiguous")
     if isinstance(weight, torch.Tensor):
-        return _Proj(weight.data_ptr(), None, 0, 0)
+        return _Proj(weight.data_ptr(), None, 0, 0, _ptr(bias))
     parts = (_QPart * len(weight))(
         *[
             _QPart(
@@ -251,11 +259,12 @@ def _proj(weight, act: int) -> _Proj:
                 p.group,
                 p.out_features,
                 p.scale_format,
+                int(getattr(p, "interleaved", False)),
             )
             for p in weight
         ]
     )
-    return _Proj(None, parts, len(weight), act)
+    return _Proj(None, parts, len(weight), act, _ptr(bias))
 
 
 class _LayerExt(ctypes.Structure):
@@ -263,7 +272,7 @@ class _LayerExt(ctypes.Structure):
 
     _fields_ = [("norm_kind", ctypes.c_int64)] + [
         (name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "post_attn", "post_ff")
-    ] + [("act", ctypes.c_int64), ("moe", ctypes.c_void_p)]
+    ] + [("act", ctypes.c_int64), ("moe", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("o_bias", ctypes.c_void_p)]
 
 
 NORM_LLAMA, NORM_GEMMA = 0, 1  # cpu_kernels.c's norm kinds: bf16 weight, or float32 1 + weight
@@ -296,6 +305,8 @@ class DecodeLayerWeights:
     post_ff: torch.Tensor | None = None
     mlp_act: int = ACT_SILU
     moe: MoEWeights | None = None  # a mixture of experts in place of the MLP (gate_up and down None)
+    sinks: torch.Tensor | None = None  # gpt-oss: a float32 sink logit per query head
+    o_bias: torch.Tensor | None = None  # the output projection's float32 bias
 
     @functools.cached_property
     def descriptors(self) -> tuple[_Proj, _Proj, _Proj, _Proj]:
@@ -307,22 +318,40 @@ class DecodeLayerWeights:
         """The layer_ext_t, or None for a plain Llama layer."""
         parts = (self.q_norm, self.k_norm, self.post_attn, self.post_ff)
         plain = self.norm_kind == NORM_LLAMA and self.mlp_act == ACT_SILU and self.moe is None
-        if plain and all(p is None for p in parts):
+        if plain and all(p is None for p in (*parts, self.sinks, self.o_bias)):
             return None
         moe = None if self.moe is None else ctypes.addressof(self.moe.descriptor)
-        return _LayerExt(self.norm_kind, *map(_ptr, parts), self.mlp_act, moe)
+        return _LayerExt(self.norm_kind, *map(_ptr, parts), self.mlp_act, moe, _ptr(self.sinks), _ptr(self.o_bias))
+
+
+MOE_ACT_SILU, MOE_ACT_SWIGLU_CLAMPED = 0, 1  # cpu_kernels.c's experts' activations
+
+
+class _MoEAct(ctypes.Structure):
+    """cpu_kernels.c's moe_act_t: the experts' gated activation (SiLU, or gpt-oss's clamped SwiGLU: alpha, limit)."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
 
 
 class ExpertWeights:
-    """A mixture-of-experts layer's experts as moe_experts_bf16 reads them: per expert, gate/up (packed in pairs,
-    or a QuantLinear's parts, gate rows first) and down (packed, or parts); descriptors built once, in expert order.
-    The caller keeps the tensors alive."""
+    """A mixture-of-experts layer's experts as moe_experts_bf16 reads them: per expert, gate/up (packed: in pairs
+    for MOE_ACT_SILU, which takes no gate/up bias then, plain panels for MOE_ACT_SWIGLU_CLAMPED; or a QuantLinear's
+    parts, gate rows first) and down (packed, or parts), each with its float32 bias or None; `activation` with its
+    alpha and limit; descriptors built once, in expert order. The caller keeps the tensors alive."""
 
-    def __init__(self, gate_up: list, down: list, inter: int, act: int = 0):
+    def __init__(self, gate_up: list, down: list, inter: int, act: int = 0, gate_up_bias: list | None = None,
+                 down_bias: list | None = None, activation: int = MOE_ACT_SILU, alpha: float = 1.702,
+                 limit: float = 7.0):
         self.inter, self.count = inter, len(gate_up)
-        self._projs = [_proj(w, act) for w in gate_up], [_proj(w, act) for w in down]  # their parts' arrays
+        gb, db = gate_up_bias or [None] * self.count, down_bias or [None] * self.count
+        if activation == MOE_ACT_SILU and any(isinstance(w, torch.Tensor) and b is not None
+                                              for w, b in zip(gate_up, gb)):
+            raise ValueError("packed bf16 gate/up pairs (SiLU) take no bias")
+        # their parts' arrays
+        self._projs = [_proj(w, act, b) for w, b in zip(gate_up, gb)], [_proj(w, act, b) for w, b in zip(down, db)]
         self.gate_up = (_Proj * self.count)(*self._projs[0])
         self.down = (_Proj * self.count)(*self._projs[1])
+        self.activation = _MoEAct(activation, alpha, limit)
 
 
 MOE_SOFTMAX_TOPK, MOE_TOPK_SOFTMAX = 0, 1  # cpu_kernels.c's routing orders
@@ -337,7 +366,8 @@ class _MoE(ctypes.Structure):
         ("gate_up", ctypes.POINTER(_Proj)),
         ("down", ctypes.POINTER(_Proj)),
     ] + [(name, ctypes.c_int64) for name in ("num_experts", "top_k", "order", "renormalize", "inter")] + [
-        ("load", ctypes.c_void_p)
+        ("load", ctypes.c_void_p),
+        ("act", _MoEAct),
     ]
 
 
@@ -365,6 +395,7 @@ class MoEWeights:
             int(renormalize),
             experts.inter,
             load.data_ptr(),
+            experts.activation,
         )
 
 
@@ -521,6 +552,14 @@ class NativeKernels:
         self.lib.silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), m, two_i // 2)
         return y
 
+    def swiglu_clamped_bf16(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) with g = min(gate, limit),
+        in float32 and rounded once to bf16, for bfloat16 gate_up [M, 2 I] (contiguous, gate columns first)."""
+        m, two_i = gate_up.shape
+        y = torch.empty(m, two_i // 2, dtype=torch.bfloat16)
+        self.lib.swiglu_clamped_bf16(gate_up.data_ptr(), y.data_ptr(), m, two_i // 2, alpha, limit)
+        return y
+
     def decode_attention_bf16(
         self,
         qkv: torch.Tensor,
@@ -664,6 +703,7 @@ class NativeKernels:
             experts.count,
             e,
             experts.inter,
+            ctypes.addressof(experts.activation),
             out.data_ptr(),
         )
 
@@ -738,23 +778,32 @@ class NativeKernels:
         )
 
     def mxfp4_gemm(
-        self, x: torch.Tensor, w, out: torch.Tensor, bias: torch.Tensor | None = None, act: int = 0
+        self,
+        x: torch.Tensor,
+        w,
+        out: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        act: int = 0,
+        residual: torch.Tensor | None = None,
     ) -> None:
-        """out = x W^T (+ bias) for W a waferscale.models.quant.mxfp4.Mxfp4Weight [n, K], read from its blocks:
-        x float32 [M, K]; out float32 [M, n] with unit column stride; bias float32 [n]. act: 0 float32 (x as it
-        is), 1 int8 (x rounded to int8 per 32, integer products), 2 auto: int8, as llama.cpp multiplies MXFP4
-        (widening the nibbles to float32 bounds the float path: a [5760, 2880] projection, one thread, on the
-        loaded 2-core machine took 1.32 / 2.69 / 9.1 / 22 ms at 1 / 4 / 8 / 16 rows in float32 against
-        0.76 / 1.92 / 3.6 / 15 ms with int8 activations; int4 blocks of the same shape 0.96 ms at 1 row)."""
+        """out = x W^T (+ bias) (+ residual) for W a waferscale.models.quant.mxfp4.Mxfp4Weight [n, K], read from its
+        blocks: x float32 or bf16 [M, K]; out float32 or bf16 [M, n] with unit column stride (bf16: each sum plus
+        its bias rounded once); bias float32 [n]; residual bf16, laid out as out (bf16 out only). act: 0 float32 (x
+        as it is), 1 int8 (x rounded to int8 per 32, integer products), 2 auto: int8, as llama.cpp multiplies MXFP4
+        (widening the nibbles to float32 bounds the float path)."""
         x = x.contiguous()
         m, k = x.shape
-        if x.dtype != torch.float32 or out.dtype != torch.float32:
-            raise ValueError("mxfp4_gemm: float32 rows in and out")
+        if x.dtype not in (torch.float32, torch.bfloat16) or out.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("mxfp4_gemm: float32 or bf16 rows in and out")
         if k != w.in_features or out.shape != (m, w.out_features) or out.stride(1) != 1:
             raise ValueError(f"mxfp4_gemm: x {tuple(x.shape)}, weight {w.shape}, out {tuple(out.shape)} do not match")
+        if residual is not None and (out.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16
+                                     or residual.stride() != out.stride() or residual.shape != out.shape):
+            raise ValueError("mxfp4_gemm: a residual is bf16, laid out as a bf16 out")
         bias = None if bias is None else bias.float().contiguous()
         self.lib.mxfp4_gemm(
             x.data_ptr(),
+            int(x.dtype == torch.bfloat16),
             m,
             k,
             w.qweight.data_ptr(),
@@ -763,7 +812,9 @@ class NativeKernels:
             int(w.interleaved),
             int(act != 0),
             _ptr(bias),
+            _ptr(residual),
             out.data_ptr(),
+            int(out.dtype == torch.bfloat16),
             out.stride(0),
         )
 

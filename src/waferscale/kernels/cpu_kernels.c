@@ -824,6 +824,38 @@ void silu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t M, int64_t I) {
         for (int64_t j0 = 0; j0 < I; j0 += 256) silu_mul_chunk(gu, y, I, m, j0);
 }
 
+/* y [M, I] = bf16((min(up, limit) clamped below at -limit, + 1) * g * sigmoid(alpha g)) with g = min(gate, limit),
+ * in float32 and rounded once, for gu [M, 2 I] bf16, gate columns first then up: gpt-oss's clamped SwiGLU, one
+ * function for the experts' modules and moe_experts_bf16. */
+static inline void swiglu_chunk(const uint16_t *gu, uint16_t *y, int64_t I, int64_t m, int64_t j0, float alpha,
+                                float limit) {
+    const int64_t n = I - j0 < 256 ? I - j0 : 256;
+    const uint16_t *g = gu + m * 2 * I + j0, *u = g + I;
+    for (int64_t j = 0; j < n; j++) {
+        const float gv = fminf(bf16_to_f32(g[j]), limit), uv = fminf(fmaxf(bf16_to_f32(u[j]), -limit), limit);
+        y[m * I + j0 + j] = f32_to_bf16((uv + 1.f) * (gv / (1.f + expf(-alpha * gv))));
+    }
+}
+
+void swiglu_clamped_bf16(const uint16_t *gu, uint16_t *y, int64_t M, int64_t I, float alpha, float limit) {
+#pragma omp parallel for schedule(static) if (M > 8)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j0 = 0; j0 < I; j0 += 256) swiglu_chunk(gu, y, I, m, j0, alpha, limit);
+}
+
+/* A mixture of experts' gated activation (moe_t's act, alpha, limit): SiLU times up, or the clamped SwiGLU */
+enum { MOE_ACT_SILU = 0, MOE_ACT_SWIGLU_CLAMPED = 1 };
+typedef struct {
+    int64_t kind;
+    float alpha, limit;
+} moe_act_t;
+
+/* act_chunk: one row's 256 columns of the experts' activation, as silu_mul_bf16 or swiglu_clamped_bf16 rounds it */
+static inline void act_chunk(const moe_act_t *a, const uint16_t *gu, uint16_t *y, int64_t I, int64_t m, int64_t j0) {
+    if (a->kind == MOE_ACT_SWIGLU_CLAMPED) swiglu_chunk(gu, y, I, m, j0, a->alpha, a->limit);
+    else silu_mul_chunk(gu, y, I, m, j0);
+}
+
 /* tanh-GELU: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as torch's gelu(approximate="tanh") in float32 */
 static inline float gelu_tanh(float x) {
     const float inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
@@ -843,7 +875,8 @@ void gelu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t M, int64_t I) {
 
 /* What a layer adds to Llama's for decode_layer (NULL: nothing): the kind of all its norms (norm_row); per-head
  * norms of q and k before rope; norms of the attention's and the MLP's outputs before their residual adds (Gemma's
- * sandwich); the MLP's activation. */
+ * sandwich); the MLP's activation; a mixture of experts in place of the MLP; gpt-oss's sink logit per head (float32
+ * [H], joining each softmax's denominator) and the output projection's bias (float32 [E]). */
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 typedef struct {
     int64_t norm_kind;
@@ -851,6 +884,7 @@ typedef struct {
     const void *post_attn, *post_ff; /* [E] each, or NULL */
     int64_t act;
     const void *moe; /* a moe_t: the layer's feed-forward is a mixture of experts (gate_up, down unused); or NULL */
+    const float *sinks, *o_bias; /* or NULL */
 } layer_ext_t;
 
 /* decode_attention_bf16 below, with the per-head q and k norms of ext (may be NULL) before rope and each row's
@@ -901,8 +935,8 @@ static void decode_attention_run(const uint16_t *qkv, const layer_ext_t *ext, fl
             }
         }
     }
-    paged_decode_attention_ex(q, k_cache, v_cache, fmt, k_scale, v_scale, tables, starts, lengths, NULL, o, B, H,
-                              KVH, D, W, block_size, scale);
+    paged_decode_attention_ex(q, k_cache, v_cache, fmt, k_scale, v_scale, tables, starts, lengths,
+                              ext ? ext->sinks : NULL, o, B, H, KVH, D, W, block_size, scale);
     for (int64_t i = 0; i < B * H * D; i++) out[i] = f32_to_bf16(o[i]);
     free(q);
     free(o);
@@ -926,27 +960,50 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
            const void *scales, const void *mins, const float *sup, const float *supm, int sfmt, const float *bias,
            const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, int act);
 void qgemm_rows(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
-                const void *scales_v, const void *mins_v, const float *sup, const float *supm, int sfmt, void *out,
-                int out_bf16, int64_t ldo, int64_t n0, int64_t N, int act);
+                const void *scales_v, const void *mins_v, const float *sup, const float *supm, int sfmt,
+                const float *bias, void *out, int out_bf16, int64_t ldo, int64_t n0, int64_t N, int act);
+void mxfp4_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *q, const uint8_t *e, int64_t n,
+                int interleaved, int int8_act, const float *bias, const uint16_t *res, void *out, int out_bf16,
+                int64_t ldo);
+#define SC_MXFP4 3 /* a qpart_t's sfmt for MXFP4 blocks (mxfp4_kernels.c: e8m0 scales) */
 
 /* One of a layer's projections for decode_layer: bf16 weights packed as for the GEMMs above (packed; gate/up in
  * pairs of panels), or else quantized parts stacked along N (quant_kernels.c's layouts: models/quant/'s
- * QuantWeight), multiplied by qgemm as QuantLinear calls it (act as it passes). */
+ * QuantWeight; MXFP4 parts, sfmt SC_MXFP4, by mxfp4_gemm), multiplied as QuantLinear calls them (act as it passes);
+ * bias: float32 [N] or NULL, added before the rounding to bf16 (experts' biases; decode_layer passes qkv's apart). */
 typedef struct {
     const uint8_t *w;
     const void *scales, *mins;
     const float *sup, *supm; /* K-quants: scales and mins as bytes times these (see qgemm) */
     int64_t bits, sgn, group, rows, sfmt;
+    int64_t interleaved; /* MXFP4: the checkpoints' nibble order (mxfp4_gemm's interleaved) */
 } qpart_t;
 typedef struct {
     const uint16_t *packed;
     const qpart_t *parts;
     int64_t nparts, act;
+    const float *bias;
 } proj_t;
+
+/* y [:, 0:n] (row stride ldy) = x W[r0:r0 + n]^T (+ bias[0:n]) (+ res) for rows of one quantized part (q), by the
+ * part's kernel: qgemm_rows (a slice's values are the whole call's), or mxfp4_gemm for MXFP4 blocks. */
+static void part_rows(const qpart_t *q, const uint16_t *x, int64_t M, int64_t K, int64_t r0, int64_t n,
+                      const float *bias, const uint16_t *res, void *y, int y_bf16, int64_t ldy, int act) {
+    if (q->sfmt == SC_MXFP4)
+        mxfp4_gemm(x, 1, M, K, q->w + r0 * (K / 2), (const uint8_t *)q->scales + r0 * (K / 32), n,
+                   (int)q->interleaved, act != 0 /* not float32 */, bias, res, y, y_bf16, ldy);
+    else if (!r0 && n == q->rows)
+        qgemm(x, 1, M, K, q->w, (int)q->bits, (int)q->sgn, q->group, q->scales, q->mins, q->sup, q->supm,
+              (int)q->sfmt, bias, res, y, y_bf16, ldy, n, act);
+    else /* a slice: no residual (moe_experts_few's) */
+        qgemm_rows(x, 1, M, K, q->w, (int)q->bits, (int)q->sgn, q->group, q->scales, q->mins, q->sup, q->supm,
+                   (int)q->sfmt, bias, y, y_bf16, ldy, r0, n, act);
+}
 
 /* y [M, N] = x W^T (+ bias) (+ res, which may be y itself), bf16, or float32 (y_bf16 = 0, quantized parts only) */
 static void proj_run(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, int64_t N, const float *bias,
                      const uint16_t *res, void *y, int y_bf16) {
+    if (!bias) bias = p->bias;
     if (p->packed) {
         gemm_run(x, 1, p->packed, bias, y, y_bf16, res, res ? EPI_ADD : EPI_STORE, M, K, N);
         return;
@@ -954,15 +1011,16 @@ static void proj_run(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, i
     for (int64_t i = 0, col = 0; i < p->nparts; col += p->parts[i].rows, i++) {
         const qpart_t *q = p->parts + i;
         void *yc = y_bf16 ? (void *)((uint16_t *)y + col) : (void *)((float *)y + col);
-        qgemm(x, 1, M, K, q->w, (int)q->bits, (int)q->sgn, q->group, q->scales, q->mins, q->sup, q->supm,
-              (int)q->sfmt, bias ? bias + col : NULL, res ? res + col : NULL, yc, y_bf16, N, q->rows, (int)p->act);
+        part_rows(q, x, M, K, 0, q->rows, bias ? bias + col : NULL, res ? res + col : NULL, yc, y_bf16, N,
+                  (int)p->act);
     }
 }
 
 /* A mixture-of-experts feed-forward as moe_forward_bf16 reads it: the router (a projection, and its float32 bias
  * or NULL), each expert's projections (as moe_experts_bf16 reads them), the routing (order MOE_SOFTMAX_TOPK: softmax
  * over the experts, then the k largest, divided by their sum where renormalize; MOE_TOPK_SOFTMAX: the k largest
- * logits, then softmax over them), and load: int64 [num_experts], the rows routed to each expert, added to. */
+ * logits, then softmax over them), load: int64 [num_experts], the rows routed to each expert, added to, and the
+ * experts' activation. */
 enum { MOE_SOFTMAX_TOPK = 0, MOE_TOPK_SOFTMAX = 1 };
 typedef struct {
     const proj_t *router;
@@ -970,6 +1028,7 @@ typedef struct {
     const proj_t *gate_up, *down;
     int64_t num_experts, top_k, order, renormalize, inter;
     int64_t *load;
+    moe_act_t act;
 } moe_t;
 
 void moe_forward_bf16(const uint16_t *x, int64_t M, int64_t E, const moe_t *moe, uint16_t *h);
@@ -1031,11 +1090,12 @@ void decode_layer(uint16_t *h, int64_t M, int64_t E, const void *norm1, const pr
     proj_run(qkv_w, x, M, E, QKV, qkv_bias, NULL, qkv, 1);
     decode_attention_run(qkv, ext, eps, cos, sin, k_cache, v_cache, fmt, k_scale, v_scale, slots, tables, starts,
                          lengths, att, M, H, KVH, D, W, block_size, scale);
+    const float *o_bias = ext ? ext->o_bias : NULL;
     if (ext && ext->post_attn) { /* h + norm(o(att)): o's output rounded to bf16, normalised, then added */
-        proj_run(o_w, att, M, H * D, E, NULL, NULL, x, 1);
+        proj_run(o_w, att, M, H * D, E, o_bias, NULL, x, 1);
         add_normed(h, x, ext->post_attn, kind, M, E, eps);
     } else {
-        proj_run(o_w, att, M, H * D, E, NULL, h, h, 1); /* each output reads its residual, then writes it */
+        proj_run(o_w, att, M, H * D, E, o_bias, h, h, 1); /* each output reads its residual, then writes it */
     }
     norm_rows(h, norm2, kind, x, M, E, eps);
     if (ext && ext->moe)
@@ -1138,8 +1198,8 @@ void masked_argmax(const float *x, int64_t B, int64_t V, const uint32_t *mask, i
     }
 }
 
-/* y[:, r0:r1] (row stride ldy, bf16) = x W[r0:r1]^T for rows [r0, r1) of a projection's quantized parts stacked
- * along N, by qgemm_rows on each part's slice (the whole call's values). Called inside a parallel region, where
+/* y[:, r0:r1] (row stride ldy, bf16) = x W[r0:r1]^T (+ its bias) for rows [r0, r1) of a projection's quantized
+ * parts stacked along N, by part_rows on each part's slice (the whole call's values). Called inside a parallel region, where
  * qgemm's own loops run on the calling thread. */
 static void proj_rows(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, int64_t r0, int64_t r1, uint16_t *y,
                       int64_t ldy) {
@@ -1147,8 +1207,7 @@ static void proj_rows(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, 
         const qpart_t *q = p->parts + i;
         const int64_t a = r0 > base ? r0 : base, b = r1 < base + q->rows ? r1 : base + q->rows;
         if (a < b)
-            qgemm_rows(x, 1, M, K, q->w, (int)q->bits, (int)q->sgn, q->group, q->scales, q->mins, q->sup, q->supm,
-                       (int)q->sfmt, y + a, 1, ldy, a - base, b - a, (int)p->act);
+            part_rows(q, x, M, K, a - base, b - a, p->bias ? p->bias + a : NULL, NULL, y + a, 1, ldy, (int)p->act);
     }
 }
 
@@ -1162,7 +1221,7 @@ static inline int64_t share(int64_t n, int t, int T) { return t >= T ? n : (n * 
  * calls (a slice of qgemm's rows, silu_mul_bf16's chunks, the sums in expert order). */
 static void moe_experts_few(const uint16_t *xs, const int64_t *tokens, const uint16_t *w, const int64_t *counts,
                             const proj_t *gate_up, const proj_t *down, int64_t num_experts, int64_t E, int64_t I,
-                            float *out) {
+                            const moe_act_t *a, float *out) {
     int64_t S = 0;
     for (int64_t e = 0; e < num_experts; e++) S += counts[e];
     uint16_t *gu = (uint16_t *)malloc((size_t)(S * 2 * I) * sizeof(uint16_t));
@@ -1178,7 +1237,7 @@ static void moe_experts_few(const uint16_t *xs, const int64_t *tokens, const uin
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < S * chunks; task++)
-            silu_mul_chunk(gu, act, I, task / chunks, task % chunks * 256);
+            act_chunk(a, gu, act, I, task / chunks, task % chunks * 256);
         const int64_t d0 = share(E, t, T), d1 = share(E, t + 1, T);
         for (int64_t e = 0, s = 0; e < num_experts; s += counts[e], e++)
             if (counts[e]) proj_rows(down + e, act + s * I, counts[e], I, d0, d1, y + s * E, E);
@@ -1194,15 +1253,16 @@ static void moe_experts_few(const uint16_t *xs, const int64_t *tokens, const uin
 }
 
 /* A mixture-of-experts feed-forward for bf16 rows grouped by expert (models/layers/moe.py), in one call: expert e
- * takes the next counts[e] rows of xs [S, E] (0 for an expert no row chose), y = down(silu(gate(x)) * up(x)) through
- * its projections (proj_t: packed bf16, gate/up in pairs of panels; or quantized parts, gate rows first), and each
- * of its rows s adds bf16(y * w[s]) to out[tokens[s]] (float32 [T, E], zeroed by the caller), experts in id order:
- * the kernels, roundings and order of the experts' modules called one by one from Python (bit-identical: a
- * quantized gate/up's SiLU is silu_mul_bf16, as the modules call it). */
+ * takes the next counts[e] rows of xs [S, E] (0 for an expert no row chose), y = down(act(gate(x), up(x))) through
+ * its projections (proj_t: packed bf16, gate/up in pairs of panels for SiLU, plain panels for the clamped SwiGLU;
+ * or quantized parts, gate rows first; with their biases where proj_t has them), and each of its rows s adds bf16(y * w[s]) to out[tokens[s]] (float32
+ * [T, E], zeroed by the caller), experts in id order: the kernels, roundings and order of the experts' modules
+ * called one by one from Python (bit-identical: a quantized gate/up's activation is silu_mul_bf16's or
+ * swiglu_clamped_bf16's, as the modules call them). */
 #define MOE_FEW_ROWS 12 /* below it no expert's rows reach qgemm's tile path (AMX: tasks of 32 rows, a C tail) */
 void moe_experts_bf16(const uint16_t *xs, const int64_t *tokens, const uint16_t *w, const int64_t *counts,
                       const proj_t *gate_up, const proj_t *down, int64_t num_experts, int64_t E, int64_t I,
-                      float *out) {
+                      const moe_act_t *a, float *out) {
     int64_t most = 0, packed = 0;
     for (int64_t e = 0; e < num_experts; e++) {
         most = counts[e] > most ? counts[e] : most;
@@ -1210,7 +1270,7 @@ void moe_experts_bf16(const uint16_t *xs, const int64_t *tokens, const uint16_t 
     }
     if (!most) return;
     if (!packed && most < MOE_FEW_ROWS) {
-        moe_experts_few(xs, tokens, w, counts, gate_up, down, num_experts, E, I, out);
+        moe_experts_few(xs, tokens, w, counts, gate_up, down, num_experts, E, I, a, out);
         return;
     }
     uint16_t *act = (uint16_t *)malloc((size_t)(most * I) * sizeof(uint16_t));
@@ -1220,13 +1280,15 @@ void moe_experts_bf16(const uint16_t *xs, const int64_t *tokens, const uint16_t 
         const int64_t n = counts[e];
         if (!n) continue;
         const uint16_t *x = xs + s * E;
-        if (gate_up[e].packed) {
+        if (gate_up[e].packed && a->kind == MOE_ACT_SILU) { /* SiLU: gate/up packed in pairs, one pass */
             gemm_run(x, 1, gate_up[e].packed, NULL, act, 1, NULL, EPI_SILU_MUL, n, E, 2 * I);
         } else { /* bf16 out, as the expert's QuantLinear gives it (qgemm rounds its 6-row path's sums otherwise
                   * than a float32 output would), then silu_mul_bf16 as the expert's module calls it */
             if (!gu) gu = (uint16_t *)malloc((size_t)(most * 2 * I) * sizeof(uint16_t));
             proj_run(gate_up + e, x, n, E, 2 * I, NULL, NULL, gu, 1);
-            silu_mul_bf16(gu, act, n, I);
+#pragma omp parallel for schedule(static) if (n > 8)
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t j0 = 0; j0 < I; j0 += 256) act_chunk(a, gu, act, I, r, j0);
         }
         proj_run(down + e, act, n, I, E, NULL, NULL, y, 1);
         for (int64_t r = 0; r < n; r++) {
@@ -1319,7 +1381,7 @@ void moe_forward_bf16(const uint16_t *x, int64_t M, int64_t E, const moe_t *moe,
         memcpy(xs + at * E, x + (s / k) * E, (size_t)E * sizeof(uint16_t));
     }
     float *out = (float *)calloc((size_t)(M * E), sizeof(float));
-    moe_experts_bf16(xs, tokens, wg, counts, moe->gate_up, moe->down, NE, E, moe->inter, out);
+    moe_experts_bf16(xs, tokens, wg, counts, moe->gate_up, moe->down, NE, E, moe->inter, &moe->act, out);
     for (int64_t i = 0; i < M * E; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(f32_to_bf16(out[i])));
     free(logits);
     free(ids);

@@ -170,31 +170,50 @@ static void mx_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, f
     }
 }
 
-// out[m, n] (row stride ldo) = sum_k x[m, k] W[n, k] (+ bias[n]); x float32 [M, K] contiguous, K a multiple of 32;
-// q uint8 [N, K / 2], e uint8 [N, K / 32]; interleaved: the checkpoints' nibble order (else GGUF's); int8_act: x
-// rounded to int8 per block of 32 (mx_dot_rows_i8), else used as it is
-void mxfp4_gemm(const float *x, int64_t m, int64_t k, const uint8_t *q, const uint8_t *e, int64_t n,
-                int interleaved, int int8_act, const float *bias, float *out, int64_t ldo) {
+static inline uint16_t mx_f32_bf16(float f) {  // round to nearest even, as torch's .to(torch.bfloat16)
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return (uint16_t)((u >> 16) | 0x40);  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float mx_bf16_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// out[m, n] (row stride ldo) = sum_k x[m, k] W[n, k] (+ bias[n]); x [M, K] contiguous, float32 or bf16 (x_bf16),
+// K a multiple of 32; q uint8 [N, K / 2], e uint8 [N, K / 32]; interleaved: the checkpoints' nibble order (else
+// GGUF's); int8_act: x rounded to int8 per block of 32 (mx_dot_rows_i8), else used as it is. out float32, or bf16
+// (out_bf16: each sum plus its bias rounded once, as QuantLinear rounds a float32 result), plus the bf16 residual
+// res [M, ldo] where given (bf16(res + out), as torch adds two bf16 tensors). Each output depends only on its own
+// weight row, so any slice of the rows (q, e, bias and out offset) gives the whole call's values; inside a parallel
+// region (moe_experts_bf16's) the loop runs on the calling thread.
+void mxfp4_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *q, const uint8_t *e, int64_t n,
+                int interleaved, int int8_act, const float *bias, const uint16_t *res, void *out, int out_bf16,
+                int64_t ldo) {
     mx_init_table();
-    const float *xs = x;
-    float *reordered = NULL;
-    if (interleaved) {  // x[2j] -> position j, x[2j + 1] -> position j + 16, within each block of 32
-        reordered = (float *)malloc(sizeof(float) * (size_t)(m * k));
-        if (!reordered) return;
+    float *xf = NULL;
+    if (x_bf16 || interleaved) {  // float32 rows, in GGUF's order within each block of 32
+        xf = (float *)malloc(sizeof(float) * (size_t)(m * k));
+        if (!xf) return;
         for (int64_t i = 0; i < m * k; i += 32)
-            for (int j = 0; j < 16; j++) {
-                reordered[i + j] = x[i + 2 * j];
-                reordered[i + j + 16] = x[i + 2 * j + 1];
+            for (int j = 0; j < 32; j++) {
+                const int64_t at = interleaved ? i + (j < 16 ? 2 * j : 2 * (j - 16) + 1) : i + j;
+                xf[i + j] = x_bf16 ? mx_bf16_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
             }
-        xs = reordered;
     }
+    const float *xs = xf ? xf : (const float *)x;
     int8_t *xq = NULL;
     float *dx = NULL;
     if (int8_act) {
         xq = (int8_t *)malloc((size_t)(m * k));
         dx = (float *)malloc(sizeof(float) * (size_t)(m * k / 32));
         if (!xq || !dx) {
-            free(xq), free(dx), free(reordered);
+            free(xq), free(dx), free(xf);
             return;
         }
         mx_quantize_rows(xs, m, k, xq, dx);
@@ -212,8 +231,14 @@ void mxfp4_gemm(const float *x, int64_t m, int64_t k, const uint8_t *q, const ui
             } else {
                 MX_DISPATCH(mx_dot_rows, nr, xs + r0 * k, k, qc, ec, acc)
             }
-            for (int64_t r = 0; r < nr; r++) out[(r0 + r) * ldo + col] = acc[r] + b;
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t at = (r0 + r) * ldo + col;
+                const float v = acc[r] + b;
+                if (!out_bf16) ((float *)out)[at] = v;
+                else if (!res) ((uint16_t *)out)[at] = mx_f32_bf16(v);
+                else ((uint16_t *)out)[at] = mx_f32_bf16(mx_bf16_f32(res[at]) + mx_bf16_f32(mx_f32_bf16(v)));
+            }
         }
     }
-    free(xq), free(dx), free(reordered);
+    free(xq), free(dx), free(xf);
 }

@@ -1437,16 +1437,16 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
 
 /* qgemm over weight rows [n0, n0 + N) only (out: the first of their N output columns), their scales and mins
  * found as every path finds a row's (sc_row): each output depends only on its own weight row, so a slice gives the
- * whole call's values. No bias or residual. */
+ * whole call's values. bias: the rows' own [N] (or NULL); no residual. */
 void qgemm_rows(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
-                const void *scales_v, const void *mins_v, const float *sup, const float *supm, int sfmt, void *out,
-                int out_bf16, int64_t ldo, int64_t n0, int64_t N, int act) {
+                const void *scales_v, const void *mins_v, const float *sup, const float *supm, int sfmt,
+                const float *bias, void *out, int out_bf16, int64_t ldo, int64_t n0, int64_t N, int act) {
     const int64_t ng = K / G;
     const sc_t sc = sc_row(sc_of(scales_v, sup, sfmt, sgn, G), n0, ng);
     const sc_t mn = sc_row(sc_of(mins_v, supm, sfmt, 0, G), n0, ng);
     const void *sv = sc.f ? (const void *)sc.f : sc.h ? (const void *)sc.h : (const void *)sc.b;
     const void *mv = mn.f ? (const void *)mn.f : mn.h ? (const void *)mn.h : (const void *)mn.b;
-    qgemm(x, x_bf16, M, K, w + n0 * (bits == 8 ? K : K / 2), bits, sgn, G, sv, mv, sc.sup, mn.sup, sfmt, NULL, NULL,
+    qgemm(x, x_bf16, M, K, w + n0 * (bits == 8 ? K : K / 2), bits, sgn, G, sv, mv, sc.sup, mn.sup, sfmt, bias, NULL,
           out, out_bf16, ldo, N, act);
 }
 

@@ -23,8 +23,8 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 def layer_decode_weights(layer: nn.Module, norms: tuple, branch_norms: tuple = (None, None)):
     """A decoder layer's weights for the whole-layer decode call (its `self_attn`, `mlp`, the two pre-norms `norms`
     and, for Gemma's sandwich, the norms of each branch's output), or None where a part of it is not native: each
-    projection bf16 packed (gate/up in pairs for SiLU) or quantized, native norms of one kind, attention without
-    sinks, no output biases."""
+    projection bf16 packed (gate/up in pairs for SiLU) or quantized, native norms of one kind, no bias on a dense
+    MLP (gpt-oss's sinks, output bias and biased experts are native)."""
     attn, mlp = layer.self_attn, layer.mlp
     all_norms = [n for n in (*norms, *branch_norms, attn.q_norm, attn.k_norm) if n is not None]
     if not (attn.native_decode and all(n.native for n in all_norms)):
@@ -32,7 +32,8 @@ def layer_decode_weights(layer: nn.Module, norms: tuple, branch_norms: tuple = (
     if len({type(n).kind for n in all_norms}) != 1:
         return None
     qkv, o = (p.method.decode_weight() for p in (attn.qkv_proj, attn.o_proj))
-    if qkv is None or o is None or attn.o_proj.bias is not None:
+    o_bias = attn.o_proj.method.decode_bias() if attn.o_proj.bias is not None else None
+    if qkv is None or o is None or (attn.o_proj.bias is not None and o_bias is None):
         return None
     if isinstance(mlp, SparseMoE):  # experts in place of the MLP: router, routing and experts in the same call
         moe, gate_up, down, inter, act = mlp.native_weights(), None, None, mlp.experts.inter, "silu"
@@ -62,6 +63,8 @@ def layer_decode_weights(layer: nn.Module, norms: tuple, branch_norms: tuple = (
         post_ff=post_ff,
         mlp_act=ACT_SILU if act == "silu" else ACT_GELU_TANH,
         moe=moe,
+        sinks=None if attn.sinks is None else attn.sinks.detach().float().contiguous(),
+        o_bias=o_bias,
     )
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from waferscale.models.base import CausalLM
+from waferscale.kernels import DecodeLayerWeights
+from waferscale.models.base import CausalLM, layer_decode_weights
 from waferscale.models.config import ModelConfig
-from waferscale.models.layers.attention import Attention
+from waferscale.models.layers.attention import Attention, fused_decode_layer
 from waferscale.models.layers.moe import TOPK_SOFTMAX, Routing, SparseMoE
 from waferscale.models.layers.norm import RMSNorm
 from waferscale.models.quant import QuantWeight
@@ -52,9 +53,14 @@ class GptOssDecoderLayer(nn.Module):
         h = self.self_attn(self.input_layernorm(h), rope, kv, index, residual=h)
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
-    def decode_weights(self) -> None:
-        """Not one native call: the whole-layer decode kernel has neither sinks nor experts."""
-        return None
+    def decode_weights(self) -> DecodeLayerWeights | None:
+        """The layer's weights for the whole-layer decode call (sinks, output bias and experts included), or None
+        where a part of it is not native."""
+        return layer_decode_weights(self, (self.input_layernorm, self.post_attention_layernorm))
+
+    def decode_native(self, kv, index: int, h: torch.Tensor, rope, weights: DecodeLayerWeights) -> None:
+        """This layer for decode rows in one native call, in place on h."""
+        fused_decode_layer(kv, index, h, rope, weights, self.self_attn)
 
 
 class GptOssForCausalLM(CausalLM):

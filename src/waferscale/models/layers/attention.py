@@ -202,8 +202,8 @@ class Attention(nn.Module):
     @property
     def native_decode(self) -> bool:
         """Whether the whole-layer decode call can run this attention (q/k norms through the native kernel; a
-        window; no sinks)."""
-        return self.sinks is None and (self.q_norm is None or (self.q_norm.native and self.k_norm.native))
+        window; sinks)."""
+        return self.q_norm is None or (self.q_norm.native and self.k_norm.native)
 
     def decode_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The q and k norms' weights as the whole-layer decode call reads them (None: no norms)."""

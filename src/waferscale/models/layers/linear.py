@@ -18,7 +18,6 @@ from torch import nn
 from waferscale.kernels import pack_bf16, pack_bf16_pairs
 from waferscale.models.quant import QuantLinear, QuantWeight, cat_rows
 from waferscale.models.quant.layouts import adjacent_rows
-from waferscale.models.quant.modules import MXFP4_SCALES
 
 _UPCAST_ROWS = 64  # without float32 copies, batches this large are still worth upcasting on the fly
 _F32_COPY_ROWS = 4  # with float32 copies, batches from this size use them
@@ -245,8 +244,7 @@ class QuantMethod(LinearMethod):
         return self.layer.project(x)
 
     def decode_weight(self):
-        native = self.layer.native is not None and all(p.scale_format != MXFP4_SCALES for p in self.layer.parts)
-        return self.layer.parts if native else None  # MXFP4 has a kernel of its own, not the fused ones'
+        return self.layer.parts if self.layer.native is not None else None
 
     def decode_bias(self):
         return self.layer.bias

@@ -24,6 +24,9 @@ ACTIVATIONS = {
 }
 
 
+SWIGLU_DEFAULTS = {"alpha": 1.702, "limit": 7.0}  # gpt-oss's released values
+
+
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """gpt-oss's: gate clamped above and up on both sides at `limit`, then (up + 1) * gate * sigmoid(alpha gate)."""
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
@@ -59,7 +62,8 @@ class GatedMLP(nn.Module):
         self.kernels = None
         self.gate_up_pairs: torch.Tensor | None = None  # gate/up packed in pairs (silu only)
         self.pair_rows: int | None = None  # batches of at most this many rows use gate_up_pairs (None: any)
-        self.native_mul = False  # act(gate) * up by the native kernel on bf16 rows (tanh-GELU; SiLU after quantized)
+        # act(gate) * up by the native kernel on bf16 rows (tanh-GELU; SiLU and the clamped SwiGLU after quantized)
+        self.native_mul = False
 
     def process_weights_after_loading(self, ctx: LoadContext) -> None:
         """Pack bf16 gate/up in pairs where the native SiLU-and-multiply kernel applies; before the projections
@@ -68,7 +72,8 @@ class GatedMLP(nn.Module):
         if self.gate_up_pairs is not None or proj.method is not None:
             return
         native_bf16 = ctx.kernels is not None and ctx.dtype == torch.bfloat16
-        if native_bf16 and (self.act in GELU_TANH or (self.act == "silu" and proj.quant is not None)):
+        # SiLU after quantized projections only: bf16 ones take the packed pairs' one pass below
+        if native_bf16 and (self.act in (*GELU_TANH, "swiglu_clamped") or (self.act == "silu" and proj.quant)):
             # bf16 rows take the native activation-and-multiply, as the whole-layer call does
             self.kernels, self.native_mul = ctx.kernels, True
             return
@@ -90,8 +95,8 @@ class GatedMLP(nn.Module):
 
     def decode_gate_up(self):
         """gate/up as the whole-layer decode kernel reads it (SiLU: packed pairs or quantized parts; tanh-GELU:
-        the projection's packed panels or parts), or None."""
-        if self.act in GELU_TANH:
+        the projection's packed panels or parts, as for the clamped SwiGLU), or None."""
+        if self.act in GELU_TANH or self.act == "swiglu_clamped":
             return self.gate_up_proj.method.decode_weight() if self.native_mul else None
         if self.act != "silu":
             return None
@@ -108,13 +113,22 @@ class GatedMLP(nn.Module):
             act = self.kernels.linear_silu_mul_bf16(x, self.gate_up_pairs, self.inter)
         elif self.native_mul and x.dtype == torch.bfloat16 and x.dim() == 2:
             gate_up = self.gate_up_proj(x)
-            mul = self.kernels.silu_mul_bf16 if self.act == "silu" else self.kernels.gelu_mul_bf16
-            act = mul(gate_up.contiguous()) if gate_up.dtype == torch.bfloat16 else None
+            act = self._native_act(gate_up.contiguous()) if gate_up.dtype == torch.bfloat16 else None
             if act is None:  # a method that answered in another dtype
-                gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-                act = ACTIVATIONS[self.act](gate) * up
+                act = self._act(*gate_up.split([self.inter, self.inter], dim=-1))
         else:
-            gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-            gated = GATED_ACTIVATIONS.get(self.act)
-            act = gated(gate, up, **self.act_params) if gated is not None else ACTIVATIONS[self.act](gate) * up
+            act = self._act(*self.gate_up_proj(x).split([self.inter, self.inter], dim=-1))
         return self.down_proj(act, residual)
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up, or the gated activation of both, in PyTorch."""
+        gated = GATED_ACTIVATIONS.get(self.act)
+        return gated(gate, up, **self.act_params) if gated is not None else ACTIVATIONS[self.act](gate) * up
+
+    def _native_act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The native kernel's activation of bf16 gate_up [M, 2 I] (the one the whole-layer and experts' calls use)."""
+        if self.act == "silu":
+            return self.kernels.silu_mul_bf16(gate_up)
+        if self.act == "swiglu_clamped":
+            return self.kernels.swiglu_clamped_bf16(gate_up, **{**SWIGLU_DEFAULTS, **self.act_params})
+        return self.kernels.gelu_mul_bf16(gate_up)

@@ -18,9 +18,10 @@ from torch import nn
 from waferscale.heap import trim_heap
 from waferscale.models import quant
 from waferscale.models.layers.linear import Linear, LoadContext, within
-from waferscale.models.layers.mlp import GatedMLP
+from waferscale.models.layers.mlp import SWIGLU_DEFAULTS, GatedMLP
 
 SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"
+NATIVE_ACTIVATIONS = {"silu": 0, "swiglu_clamped": 1}  # the experts' activations moe_experts_bf16 has (MOE_ACT_*)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ class Experts(nn.ModuleList):
 
     def process_weights_after_loading(self, ctx: LoadContext) -> None:
         """Let each expert choose its projections' methods, then take all experts in one native call where every
-        expert's projections are native bf16 or quantized, without biases. bf16 experts are packed for the native
+        expert's projections are native bf16 (SiLU, no biases) or quantized (SiLU or the clamped SwiGLU, with their
+        biases where the family has them). bf16 experts are packed for the native
         kernels at any row count, without the PyTorch copy kept beside the packed one for large batches where bf16
         is multiplied in hardware: experts are most of the model's bytes and take a few rows each."""
         if ctx.packs_bf16() and ctx.native_rows is not None:
@@ -133,20 +135,24 @@ class Experts(nn.ModuleList):
             # Qwen3-30B-A3B's shape in bf16: a 1.9 GB peak above the loaded size)
             trim_heap()
         self.method = GroupedExperts(self)
-        if ctx.kernels is None or ctx.dtype != torch.bfloat16 or self[0].act != "silu":
+        activation = NATIVE_ACTIVATIONS.get(self[0].act)
+        if ctx.kernels is None or ctx.dtype != torch.bfloat16 or activation is None:
             return
         gate_up = [e.decode_gate_up() for e in self]
         down = [e.down_proj.method.decode_weight() for e in self]
-        biased = any(p.bias is not None for e in self for p in (e.gate_up_proj, e.down_proj))
-        if biased or any(w is None for w in gate_up + down):
+        if any(w is None for w in gate_up + down):
             return
+        packed = any(isinstance(w, torch.Tensor) for w in gate_up + down)
         from waferscale.kernels import ExpertWeights
 
         # the row limit of the bf16 paths (packed pairs, packed panels), as the modules apply it
-        rows = min((r for e in self for r in (e.pair_rows, getattr(e.down_proj.method, "max_rows", None))
-                    if r is not None), default=None)
-        weights = ExpertWeights(gate_up, down, self.inter, quant.modules.ACT_MODE)  # as QuantLinear passes it
-        packed = any(isinstance(w, torch.Tensor) for w in gate_up + down)
+        rows = min((r for e in self for r in (e.pair_rows, getattr(e.gate_up_proj.method, "max_rows", None),
+                                               getattr(e.down_proj.method, "max_rows", None)) if r is not None),
+                   default=None)
+        biases = [[e.gate_up_proj.method.decode_bias() for e in self], [e.down_proj.method.decode_bias() for e in self]]
+        params = {**SWIGLU_DEFAULTS, **self[0].act_params} if self[0].act == "swiglu_clamped" else {}
+        weights = ExpertWeights(gate_up, down, self.inter, quant.modules.ACT_MODE,  # as QuantLinear passes it
+                                *biases, activation=activation, **params)
         self.method = NativeExperts(ctx.kernels, weights, rows, self.method, packed)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

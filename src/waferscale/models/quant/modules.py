@@ -43,7 +43,7 @@ class QuantLinear(nn.Module):
         self.parts = parts
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
-        self.bias = None if bias is None else bias.detach().float()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
         self.native = None  # waferscale.kernels.NativeKernels
 
     def nbytes(self) -> int:
@@ -65,11 +65,8 @@ class QuantLinear(nn.Module):
             cols = slice(col, col + p.out_features)
             bias = None if self.bias is None else self.bias[cols]
             res = None if residual is None else residual[:, cols]
-            if p.scale_format == MXFP4_SCALES:  # float32 activations and sums, rounded once to out's dtype
-                y = torch.empty(x.shape[0], p.out_features)
-                self.native.mxfp4_gemm(x.float(), p, y, bias, act=ACT_MODE)
-                y = y.to(out_dtype)
-                out[:, cols] = y if res is None else res + y
+            if p.scale_format == MXFP4_SCALES:  # float32 sums, rounded once to out's dtype (as decode calls read)
+                self.native.mxfp4_gemm(x, p, out[:, cols], bias, act=ACT_MODE, residual=res)
             else:
                 self.native.qgemm(x, p, out[:, cols], bias, res, act=ACT_MODE)
             col += p.out_features
