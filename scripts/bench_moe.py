@@ -2,7 +2,7 @@
 output tok/s, peak RSS at load and while serving, and each single-stream figure beside the bound computed from the
 bytes a token actually reads (attention, router, the k active experts of each layer, the head).
 
-Usage: .venv/bin/python scripts/bench_moe.py --model DIR [--kinds Q4_K_M,Q8_0] [--scenarios single,c8,c32]
+Usage: .venv/bin/python scripts/bench_moe.py --model DIR [--kinds Q4_K_M,Q8_0|MXFP4] [--scenarios single,c8,c32]
        [--servers a,b] [--quick] [--skip-llamacpp] [--cache-dir DIR] [--kv-cache-memory MIB] [--json FILE]
        [--ws-arg=ARG ...]
 
@@ -10,7 +10,9 @@ Usage: .venv/bin/python scripts/bench_moe.py --model DIR [--kinds Q4_K_M,Q8_0] [
 `make_random_model.py --preset qwen3-30b-a3b --layers 12 --tokenizer .../tokenizer.json OUT` (the project's shared
 bench folder has it). The folder is converted to BF16 with llama.cpp's convert_hf_to_gguf.py and quantized with its
 llama-quantize (built from the llama-cpp-python sdist into --cache-dir, as scripts/bench_quant.py does); both
-servers then serve the same GGUF with 2 threads and the same KV budget, one server at a time.
+servers then serve the same GGUF with 2 threads and the same KV budget, one server at a time. For gpt-oss
+(`--preset gpt-oss-20b`, experts in MXFP4 blocks as released) the kind MXFP4 is the converter's own output: the
+experts kept in MXFP4, everything else bf16, as llama.cpp's published gpt-oss GGUFs hold them.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def kv_bytes_per_token(folder: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True, help="a random MoE Hugging Face folder")
-    ap.add_argument("--kinds", default="Q4_K_M,Q8_0", help="GGUF quantizations to compare (Q4_K_M, Q8_0)")
+    ap.add_argument("--kinds", default="Q4_K_M,Q8_0",
+                    help="GGUF quantizations to compare (Q4_K_M, Q8_0; MXFP4 for an MXFP4 checkpoint)")
     ap.add_argument("--scenarios", default="single,c8,c32")
     ap.add_argument("--servers", help="comma-separated keys to run, in this order (default: all)")
     ap.add_argument("--quick", action="store_true", help="tiny counts: a smoke test")
@@ -81,10 +84,12 @@ def main() -> None:
     folder = args.model.resolve()
     layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
     kv = args.kv_cache_memory << 20
-    ggufs = quant.ggufs_of(folder, cache)
+    kinds = args.kinds.split(",")
+    ggufs = quant.ggufs_of(folder, cache, tuple(k for k in kinds if k != "MXFP4"))
+    ggufs["MXFP4"] = ggufs["BF16"]  # an MXFP4 checkpoint's conversion: its experts stay MXFP4
     ws = str(Path(sys.executable).parent / "waferscale")
     runs = []  # (kind, server, bytes a token reads, weight bytes)
-    for kind in args.kinds.split(","):
+    for kind in kinds:
         path = ggufs[kind]
         argv = [ws, "serve", "--model", str(path), "--served-model-name", base.MODEL_NAME,
                 "--kv-cache-memory", str(kv), "--threads", "2", *args.ws_arg]

@@ -107,8 +107,9 @@ def llama_binary(cache: Path, target: str) -> Path:
     return binary
 
 
-def ggufs_of(folder: Path, cache: Path) -> dict[str, Path]:
-    """BF16, Q8_0 and Q4_K_M GGUFs of a Hugging Face folder, made once under cache."""
+def ggufs_of(folder: Path, cache: Path, kinds: tuple[str, ...] = ("Q8_0", "Q4_K_M")) -> dict[str, Path]:
+    """The BF16 GGUF of a Hugging Face folder (an MXFP4 checkpoint's experts stay MXFP4 in it) and its `kinds`
+    quantizations, made once under cache."""
     out = {k: cache / f"{folder.name}.{k}.gguf" for k in ("BF16", "Q8_0", "Q4_K_M")}
     llama_dir = base.llama_cpp_dir(cache)
     if not out["BF16"].is_file():
@@ -118,7 +119,7 @@ def ggufs_of(folder: Path, cache: Path) -> dict[str, Path]:
         base.run_logged(cmd + ["--outfile", str(tmp)], cache / "convert.log", env=env)
         tmp.rename(out["BF16"])
     quantize = llama_binary(cache, "llama-quantize")
-    for kind in ("Q8_0", "Q4_K_M"):
+    for kind in kinds:
         if not out[kind].is_file():
             tmp = out[kind].with_name(out[kind].name + ".tmp")
             base.run_logged([str(quantize), str(out["BF16"]), str(tmp), kind], cache / "quantize.log")

@@ -16,6 +16,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(WS_PORTABLE)
 #include <immintrin.h>
 #define MX_AVX2 1
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define MX_512 1 /* int8 activations: four blocks a 512-bit step (mx_dot_rows_512) */
+#endif
 #endif
 
 #define MX_ROWS 8
@@ -158,6 +161,108 @@ MX_INLINE void mx_dot_rows_i8(const int8_t *xq, const float *dx, int64_t k, cons
 #endif
 }
 
+#ifdef MX_512
+// The e2m1 values doubled plus 12 (0..24, unsigned), so that dpbusd multiplies them with signed int8 x; the 12 x sum(x)
+// this adds is taken out by starting each sum at -12 x sum(x) (mx512_prepare's corr)
+static const uint8_t MX_UVALUES[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+// x's int8 rows laid out for mx_dot_rows_512, per row and group of 4 blocks (128 weights): xa, the 4 blocks' first
+// 16 values (as the low nibbles of their 64 weight bytes pair with them), then their last 16; corr, int32 [16] a
+// group: -12 x each lane's 8 values of x (the lane's 4 bytes in both halves); dxv, float [16] a group: each block's
+// scale 4 times (its 4 lanes). Blocks past the last whole group stay in xq and dx.
+typedef struct {
+    int8_t *xa;
+    int32_t *corr;
+    float *dxv;
+    int64_t groups;
+} mx512_t;
+
+static int mx512_prepare(const int8_t *xq, const float *dx, int64_t m, int64_t k, mx512_t *p) {
+    const int64_t groups = k / 128, blocks = k / 32;
+    p->groups = groups;
+    p->xa = (int8_t *)malloc((size_t)(m * groups * 128) + 1);
+    p->corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * groups * 16) + 1);
+    p->dxv = (float *)malloc(sizeof(float) * (size_t)(m * groups * 16) + 1);
+    if (!p->xa || !p->corr || !p->dxv) return 0;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            int8_t *xa = p->xa + (r * groups + g) * 128;
+            int32_t *corr = p->corr + (r * groups + g) * 16;
+            float *dxv = p->dxv + (r * groups + g) * 16;
+            for (int b = 0; b < 4; b++) {
+                const int8_t *xb = xq + r * k + (4 * g + b) * 32;
+                memcpy(xa + 16 * b, xb, 16);
+                memcpy(xa + 64 + 16 * b, xb + 16, 16);
+                for (int l = 0; l < 4; l++) {
+                    int32_t t = 0;
+                    for (int i = 0; i < 4; i++) t += xb[4 * l + i] + xb[16 + 4 * l + i];
+                    corr[4 * b + l] = -12 * t;
+                    dxv[4 * b + l] = dx[r * blocks + 4 * g + b];
+                }
+            }
+        }
+    return 1;
+}
+
+static void mx512_free(mx512_t *p) { free(p->xa), free(p->corr), free(p->dxv); }
+
+// mx_dot_rows_i8's sums, four blocks a step: 64 weight bytes widened by one table lookup a half to unsigned values,
+// multiplied with x by dpbusd (exact integer sums, 4 lanes a block), each block's lanes scaled by its weight's and
+// x's scales; the blocks past the last group of 4 as mx_dot_rows_i8 takes them
+MX_INLINE void mx_dot_rows_512(const mx512_t *p, const int8_t *xq, const float *dx, int64_t k, const uint8_t *q,
+                               const uint8_t *e, float *acc, const int nr) {
+    const int64_t groups = p->groups, blocks = k / 32;
+    __m512 s[MX_ROWS];
+    for (int r = 0; r < nr; r++) s[r] = _mm512_setzero_ps();
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_UVALUES));
+    const __m512i low = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2);
+    const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t g = 0; g < groups; g++) {
+        _mm_prefetch((const char *)(q + 64 * g + 2048), _MM_HINT_T0);
+        const __m512i bytes = _mm512_loadu_si512((const void *)(q + 64 * g));
+        const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(bytes, low));
+        const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low));
+        uint32_t e4;
+        memcpy(&e4, e + 4 * g, sizeof e4);
+        const __m512i ev = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)e4), spread));
+        // 2^(e - 128) from its bits: (e - 1) << 23, or 1 << (21 + e) below e = 2 (subnormal), as mx_half_scale
+        __m512i bits = _mm512_slli_epi32(_mm512_sub_epi32(ev, one), 23);
+        bits = _mm512_mask_sllv_epi32(bits, _mm512_cmplt_epu32_mask(ev, two), one,
+                                      _mm512_add_epi32(ev, _mm512_set1_epi32(21)));
+        const __m512 dw = _mm512_castsi512_ps(bits);
+        for (int r = 0; r < nr; r++) {
+            const int64_t at = r * groups + g;
+            const int8_t *xa = p->xa + at * 128;
+            __m512i a = _mm512_loadu_si512((const void *)(p->corr + at * 16));
+            a = _mm512_dpbusd_epi32(a, lo, _mm512_loadu_si512((const void *)xa));
+            a = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512((const void *)(xa + 64)));
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(p->dxv + at * 16));
+            s[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), scale, s[r]);
+        }
+    }
+    __m256 t[MX_ROWS];
+    for (int r = 0; r < nr; r++) t[r] = _mm256_setzero_ps();
+    const __m128i table16 = _mm_loadu_si128((const __m128i *)MX_KVALUES);
+    const __m128i low16 = _mm_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 4 * groups; b < blocks; b++) {
+        const __m128i qb = _mm_loadu_si128((const __m128i *)(q + 16 * b));
+        const __m128i l = _mm_shuffle_epi8(table16, _mm_and_si128(qb, low16));
+        const __m128i h = _mm_shuffle_epi8(table16, _mm_and_si128(_mm_srli_epi16(qb, 4), low16));
+        const __m256i w = _mm256_set_m128i(h, l);
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        const __m256 d = _mm256_broadcast_ss(MX_HALF + e[b]);
+        for (int r = 0; r < nr; r++) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + r * k + 32 * b));
+            const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(y, w)), ones);
+            const __m256 scale = _mm256_mul_ps(d, _mm256_broadcast_ss(dx + r * blocks + b));
+            t[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pr), scale, t[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_reduce_add_ps(s[r]) + mx_hsum(t[r]);
+}
+#endif
+
 // x rounded to int8 per block of 32: dx = max |x| / 127, xq = round(x / dx) (0 where the block is 0)
 static void mx_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *dx) {
     for (int64_t i = 0; i < m * k / 32; i++) {
@@ -218,6 +323,10 @@ void mxfp4_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *
         }
         mx_quantize_rows(xs, m, k, xq, dx);
     }
+#ifdef MX_512
+    mx512_t p512 = {0};
+    const int use512 = int8_act && k >= 128 && mx512_prepare(xq, dx, m, k, &p512);
+#endif
     const int64_t row_bytes = k / 2, row_scales = k / 32;
 #pragma omp parallel for schedule(static) if (n * m * k > (1 << 16))
     for (int64_t col = 0; col < n; col++) {
@@ -226,6 +335,14 @@ void mxfp4_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *
         for (int64_t r0 = 0; r0 < m; r0 += MX_ROWS) {
             const int64_t nr = m - r0 < MX_ROWS ? m - r0 : MX_ROWS;
             const uint8_t *qc = q + col * row_bytes, *ec = e + col * row_scales;
+#ifdef MX_512
+            if (use512) {
+                mx512_t rows = p512;
+                rows.xa += r0 * p512.groups * 128, rows.corr += r0 * p512.groups * 16;
+                rows.dxv += r0 * p512.groups * 16;
+                MX_DISPATCH(mx_dot_rows_512, nr, &rows, xq + r0 * k, dx + r0 * (k / 32), k, qc, ec, acc)
+            } else
+#endif
             if (int8_act) {
                 MX_DISPATCH(mx_dot_rows_i8, nr, xq + r0 * k, dx + r0 * (k / 32), k, qc, ec, acc)
             } else {
@@ -240,5 +357,8 @@ void mxfp4_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *
             }
         }
     }
+#ifdef MX_512
+    mx512_free(&p512);
+#endif
     free(xq), free(dx), free(xf);
 }
