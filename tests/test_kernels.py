@@ -405,6 +405,25 @@ def test_fused_silu_of_a_hugely_negative_gate_is_zero_not_nan():
 
 
 @needs_native
+def test_clamped_swiglu_is_the_float32_formula_rounded_once():
+    """gpt-oss's activation of bf16 gate/up, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) with
+    g = min(gate, limit): PyTorch's float32 formula within a bf16 rounding, both clamps crossed, -0 (not NaN) where
+    the gate is hugely negative."""
+    from waferscale.models.layers.mlp import _clamped_swiglu
+
+    torch.manual_seed(0)
+    inter = 300
+    gate_up = (torch.randn(7, 2 * inter) * 6).bfloat16()
+    gate_up[0, :10] = -1e4
+    gate, up = gate_up.float().split(inter, -1)
+    assert (gate > 7).any() and (up.abs() > 7).any()
+    got = native.swiglu_clamped_bf16(gate_up, 1.702, 7.0)
+    assert got.shape == (7, inter) and not got.isnan().any()
+    assert torch.equal(got[0, :10].float(), torch.zeros(10))
+    torch.testing.assert_close(got.float(), _clamped_swiglu(gate, up, 1.702, 7.0), rtol=2**-8, atol=1e-30)
+
+
+@needs_native
 def test_fused_decode_attention_matches_the_pytorch_path():
     """A decode-only batch runs rope, KV write and attention in one native call; the layer's output and the keys and
     values it stores match the PyTorch ops it replaces."""

@@ -833,7 +833,9 @@ static inline void swiglu_chunk(const uint16_t *gu, uint16_t *y, int64_t I, int6
     const uint16_t *g = gu + m * 2 * I + j0, *u = g + I;
     for (int64_t j = 0; j < n; j++) {
         const float gv = fminf(bf16_to_f32(g[j]), limit), uv = fminf(fmaxf(bf16_to_f32(u[j]), -limit), limit);
-        y[m * I + j0 + j] = f32_to_bf16((uv + 1.f) * (gv / (1.f + expf(-alpha * gv))));
+        /* -0 where exp(-alpha g) overflows (-ffast-math's g / inf is a NaN), as silu_mul_tile */
+        const float glu = -alpha * gv < 88.7228f ? gv / (1.f + expf(-alpha * gv)) : -0.f;
+        y[m * I + j0 + j] = f32_to_bf16((uv + 1.f) * glu);
     }
 }
 
