@@ -291,20 +291,21 @@ def test_engine_without_native_kernels_gives_the_same_greedy_tokens():
 
 @needs_native
 def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
-    """Where bf16 is emulated, every projection reads its packed bf16 weight, one row or many; no float32 copy.
-    Where it is multiplied in hardware, batches of up to HARDWARE_BF16_NATIVE_ROWS rows do (decoding a few streams),
-    and larger ones (here the prefill of 5 prompts) go to PyTorch's oneDNN. The MLP's gate/up runs with its
-    SiLU-and-multiply, and o_proj and down_proj with their residual adds."""
+    """Where bf16 is emulated, or multiplied on AMX tiles by the native kernels, every projection reads its packed
+    bf16 weight, one row or many; no float32 or row-major copy. Where it is multiplied in hardware without the
+    tiles, batches of up to HARDWARE_BF16_NATIVE_ROWS rows do (decoding a few streams), and larger ones (here the
+    prefill of 5 prompts) go to PyTorch's oneDNN. The MLP's gate/up runs with its SiLU-and-multiply, and o_proj and
+    down_proj with their residual adds."""
     from waferscale.kernels import cpu_has_native_bf16
     from waferscale.models.layers.linear import HARDWARE_BF16_NATIVE_ROWS, PackedBF16Method, Unpacked
 
     loaded = load_model(None, dtype="bfloat16", quantization="none", progress=False)  # bf16 weights
-    hardware = cpu_has_native_bf16()
+    copies = cpu_has_native_bf16() and not native.bf16_tiles()  # a row-major copy for oneDNN's large batches
     mlp = loaded.model.layers[0].mlp
     assert isinstance(mlp.down_proj.method, PackedBF16Method)  # not a float32 copy
     assert mlp.gate_up_pairs is not None  # packed once, in pairs
-    assert isinstance(mlp.gate_up_proj.method, Unpacked) != hardware  # with hardware bf16, big batches need it
-    limit = HARDWARE_BF16_NATIVE_ROWS if hardware else None
+    assert isinstance(mlp.gate_up_proj.method, Unpacked) != copies  # oneDNN's large batches need it
+    limit = HARDWARE_BF16_NATIVE_ROWS if copies else None
     assert mlp.pair_rows == limit and mlp.down_proj.method.max_rows == limit
     engine = LLMEngine(loaded)
     assert engine.native is native
@@ -330,9 +331,9 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
         for name in calls:
             delattr(native, name)
     layers, steps = loaded.config.num_layers, 3
-    # the prefill step runs module by module (natively only where bf16 is emulated: its 85 rows exceed the
-    # limit); the 2 decode steps run each layer in one native call
-    prefill = 0 if hardware else 1
+    # the prefill step runs module by module (natively unless oneDNN takes its 85 rows, beyond the limit); the 2
+    # decode steps run each layer in one native call
+    prefill = 0 if copies else 1
     assert all(rows <= (limit or rows) for got in calls.values() for rows in got)
     assert 5 in calls["linear_bf16"]
     assert len(calls["linear_bf16"]) == prefill * layers + steps  # qkv; lm_head
@@ -402,6 +403,39 @@ def test_fused_silu_of_a_hugely_negative_gate_is_zero_not_nan():
     assert (gate < -89).sum() > 100 and not act.isnan().any()
     assert torch.equal(act[gate < -89].abs(), torch.zeros(int((gate < -89).sum()), dtype=torch.bfloat16))
     torch.testing.assert_close(act, F.silu(gate) * up, atol=1e-30, rtol=0.02)  # -0 for 1e-34 from -87.5
+
+
+@needs_native
+@pytest.mark.skipif(native is None or not native.bf16_tiles(), reason="no AMX tiles for bf16 here")
+def test_large_bf16_batches_on_amx_tiles_match_the_fma_panels():
+    """From 17 rows, packed bf16 weights are multiplied on AMX tiles (no row-major copy for oneDNN): the same products
+    as the FMA path within float32 rounding, for a plain output with a bias, a residual add and gate/up pairs' SiLU,
+    with rows past a multiple of 32 and a K that is not a multiple of 64."""
+    torch.manual_seed(2)
+    k, n, inter = 96 * 3, 80, 48
+    w = (torch.randn(n, k) * 0.05).bfloat16()
+    bias = torch.randn(n)
+    gate_up = (torch.randn(2 * inter, k) * 0.05).bfloat16()
+    packed, pairs = kernels.pack_bf16(w), kernels.pack_bf16_pairs(gate_up)
+    try:
+        for rows in (17, 40, 64):
+            x = torch.randn(rows, k).bfloat16()
+            residual = torch.randn(rows, n).bfloat16()
+            results = []
+            for tiles in (True, False):
+                native.set_amx(tiles)
+                results.append((native.linear_bf16(x, packed, n, bias, torch.float32),
+                                native.linear_add_bf16(x, packed, n, residual, bias),
+                                native.linear_silu_mul_bf16(x, pairs, inter)))
+            (plain, added, act), (plain_f, added_f, act_f) = results
+            want = x.float() @ w.float().T + bias
+            torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(plain, plain_f, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(added.float(), added_f.float(), rtol=2**-7, atol=1e-2)
+            torch.testing.assert_close(act.float(), act_f.float(), rtol=2**-7, atol=1e-3)
+            assert not torch.equal(plain, plain_f)  # another order of the sums: the tiles did run
+    finally:
+        native.set_amx(True)
 
 
 @needs_native

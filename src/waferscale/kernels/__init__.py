@@ -128,6 +128,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qdequant.restype = None
     lib.qgemm_set_amx.argtypes = [ctypes.c_int]
     lib.qgemm_set_amx.restype = ctypes.c_int
+    lib.gemm_bf16_tiles.argtypes = []
+    lib.gemm_bf16_tiles.restype = ctypes.c_int
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
     lib.decode_layer.argtypes += [ctypes.c_int] + [ptr] * 5 + [i64] * 5 + [f32, ptr, ptr]
     lib.decode_layer.restype = None
@@ -730,9 +732,14 @@ class NativeKernels:
         return idx.tolist()
 
     def set_amx(self, on: bool) -> bool:
-        """Let qgemm use AMX tiles where the CPU and the OS allow (on, the default) or not (tests of the other
-        paths); returns whether it is in use."""
+        """Let qgemm and the packed bf16 GEMM use AMX tiles where the CPU and the OS allow (on, the default) or not
+        (tests of the other paths); returns whether it is in use."""
         return bool(self.lib.qgemm_set_amx(int(on)))
+
+    def bf16_tiles(self) -> bool:
+        """Whether batches of bf16 rows (from 17) multiply packed bf16 weights on AMX tiles: then packed panels
+        serve every batch size, with no row-major copy of the weights kept for oneDNN."""
+        return bool(self.lib.gemm_bf16_tiles())
 
     def qgemm(
         self,

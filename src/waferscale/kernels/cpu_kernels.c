@@ -28,6 +28,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(WS_PORTABLE)
 #include <immintrin.h>
 #define WS_AVX2 1
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+#define WS_AMX 1 /* large bf16 batches on the tile unit (gemm_amx_bf16) */
+#endif
 #endif
 
 static inline uint32_t f32_bits(float f) {
@@ -605,8 +608,117 @@ static inline void store_tile(const float *v, const float *bias, const uint16_t 
  * bf16 residual. Each step is rounded to bf16 where torch's separate ops would round it. */
 enum { EPI_STORE = 0, EPI_SILU_MUL = 1, EPI_ADD = 2 };
 
+/* Batches of bf16 rows on CPUs with AMX (gemm_run, from AMX_BF16_ROWS rows, K a multiple of 32): the packed panels
+ * multiplied by the tile unit, so that large batches need no second, row-major copy of the weights for oneDNN. A: 16
+ * rows of x by 32 k, read in place; B: one panel's 16 columns by 32 k, the tile unit's layout of k pairs made from
+ * the panel (unpacking its rows 2r and 2r + 1 interleaves them: the middle quarters' swap puts columns in order), a
+ * unit's tiles made once a call into a thread's buffer; C: 16 rows by 16 columns of float32 sums over all of K,
+ * then the epilogue of the FMA path (store_tile, silu_mul_tile). Sums run in another order than the FMA path's. */
+#ifdef WS_AMX
+#define AMX_BF16_ROWS 17
+#define AMX_UNITS 8 /* units (16 output columns) a task */
+int qgemm_amx_on(void);
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} ws_tilecfg_t;
+
+/* tiles [K / 32][16][32] bf16 of one panel (wp: [K][16], quarter-swapped) in the tile unit's pair layout */
+static void amx_b_tiles(const uint16_t *wp, int64_t K, uint16_t *tiles) {
+    for (int64_t r = 0; r < K / 2; r++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(wp + 2 * r * 16));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(wp + (2 * r + 1) * 16));
+        uint16_t *row = tiles + (r / 16) * 512 + (r % 16) * 32;
+        _mm256_storeu_si256((__m256i *)row, _mm256_unpacklo_epi16(a, b));
+        _mm256_storeu_si256((__m256i *)(row + 16), _mm256_unpackhi_epi16(a, b));
+    }
+}
+
+static int gemm_amx_bf16(const uint16_t *x, const uint16_t *wp, const float *bias, void *y, int y_bf16,
+                         const uint16_t *res, int epi, int64_t M, int64_t K, int64_t N) {
+    const int64_t per = epi == EPI_SILU_MUL ? 2 : 1, NB = (N + 15) / 16, units = NB / per, ldy = N / per;
+    const int64_t kt = K / 32, mp = (M + 31) / 32; /* k tiles; pairs of 16-row blocks */
+    /* x padded to whole pairs of 16-row blocks (zero rows) */
+    uint16_t *xp = (uint16_t *)calloc((size_t)(mp * 32 * K), sizeof(uint16_t));
+    if (!xp) return 0;
+    memcpy(xp, x, (size_t)(M * K) * sizeof(uint16_t));
+    ws_tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* C 0-3, A 4-5, B 6-7: 16 x 64 bytes */
+    /* a task: AMX_UNITS units (their B tiles made once, a few hundred KB that stay in L2), every pair of row
+     * blocks against each of them in turn, so that a pair's A tiles are read from cache once per task rather than
+     * once per unit */
+    const int64_t tasks = (units + AMX_UNITS - 1) / AMX_UNITS;
+#pragma omp parallel
+    {
+        _tile_loadconfig(&cfg);
+        uint16_t *bt = (uint16_t *)aligned_alloc(64, (size_t)(AMX_UNITS * per * kt * 512) * sizeof(uint16_t));
+        float c[4][16][16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t u0 = task * AMX_UNITS, nu = units - u0 < AMX_UNITS ? units - u0 : AMX_UNITS;
+            for (int64_t p = 0; p < nu * per; p++) amx_b_tiles(wp + (u0 * per + p) * K * 16, K, bt + p * kt * 512);
+            for (int64_t g = 0; g < mp; g++) /* rows 32 g .. 32 g + 31: C tile 2 p + h, rows 16 h .. */
+                for (int64_t v = 0; v < nu; v++) {
+                    const uint16_t *b = bt + v * per * kt * 512;
+                    const int64_t n0 = (u0 + v) * 16, cols = ldy - n0 < 16 ? ldy - n0 : 16;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    if (per == 2) {
+                        _tile_zero(2);
+                        _tile_zero(3);
+                    }
+                    const uint16_t *x0 = xp + 32 * g * K, *x1 = x0 + 16 * K;
+                    for (int64_t t = 0; t < kt; t++) {
+                        _tile_loadd(4, x0 + 32 * t, K * 2);
+                        _tile_loadd(5, x1 + 32 * t, K * 2);
+                        _tile_loadd(6, b + t * 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 5, 6);
+                        if (per == 2) {
+                            _tile_loadd(7, b + (kt + t) * 512, 64);
+                            _tile_dpbf16ps(2, 4, 7);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    if (per == 2) {
+                        _tile_stored(2, c[2], 64);
+                        _tile_stored(3, c[3], 64);
+                    }
+                    for (int h = 0; h < 2; h++)
+                        for (int64_t i = 0; i < 16; i++) {
+                            const int64_t m = 32 * g + 16 * h + i, o = m * ldy + n0;
+                            if (m >= M) break;
+                            if (epi == EPI_SILU_MUL) silu_mul_tile(c[h][i], c[2 + h][i], (uint16_t *)y + o, cols);
+                            else store_tile(c[h][i], bias ? bias + n0 : NULL, res ? res + o : NULL, y, y_bf16, o, cols);
+                        }
+                }
+        }
+        free(bt);
+        _tile_release();
+    }
+    free(xp);
+    return 1;
+}
+
+/* whether large bf16 batches take the tiles (the CPU has AMX, the OS grants it, and it is not turned off) */
+int gemm_bf16_tiles(void) { return qgemm_amx_on(); }
+#else
+int gemm_bf16_tiles(void) { return 0; }
+#endif
+
 static void gemm_run(const void *x, int x_bf16, const uint16_t *wp, const float *bias, void *y, int y_bf16,
                      const uint16_t *res, int epi, int64_t M, int64_t K, int64_t N) {
+#ifdef WS_AMX
+    if (x_bf16 && M >= AMX_BF16_ROWS && K % 32 == 0 && qgemm_amx_on() &&
+        gemm_amx_bf16((const uint16_t *)x, wp, bias, y, y_bf16, res, epi, M, K, N))
+        return;
+#endif
     const float *xf = (const float *)x;
     float *tmp = NULL;
     if (x_bf16) {

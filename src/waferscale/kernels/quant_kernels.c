@@ -1358,6 +1358,15 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
 #endif
 #endif
 
+/* whether the tiles are on (cpu_kernels.c's bf16 batches take them too) */
+int qgemm_amx_on(void) {
+#ifdef WQ_AMX
+    return amx_on();
+#else
+    return 0;
+#endif
+}
+
 /* AMX on or off for this process (tests take the other paths with it off); returns whether it is on */
 int qgemm_set_amx(int on) {
 #ifdef WQ_AMX

@@ -21,7 +21,8 @@ from waferscale.models.quant.layouts import adjacent_rows
 
 _UPCAST_ROWS = 64  # without float32 copies, batches this large are still worth upcasting on the fly
 _F32_COPY_ROWS = 4  # with float32 copies, batches from this size use them
-# where bf16 is multiplied in hardware, batches up to this many rows still take the native kernels: oneDNN's bf16
+# where bf16 is multiplied in hardware and the native kernels have no AMX tiles for it (LoadContext.native_rows),
+# batches up to this many rows still take the native kernels: oneDNN's bf16
 # GEMM is slow at a few rows (its small-batch path), and the whole-layer decode call wins up to 16 rows on the
 # 2-core AMX machine (docs/quantization.md); oneDNN (AMX) wins from 24
 HARDWARE_BF16_NATIVE_ROWS = 16
@@ -39,8 +40,13 @@ class LoadContext:
 
     @property
     def native_rows(self) -> int | None:
-        """The most rows a batch may have to take the native bf16 kernels (None: any)."""
-        return HARDWARE_BF16_NATIVE_ROWS if self.hardware_bf16 else None
+        """The most rows a batch may have to take the native bf16 kernels (None: any): where bf16 is multiplied in
+        hardware, larger batches go to oneDNN, on a row-major copy kept beside the packed one, unless the native
+        kernels multiply large batches on AMX tiles themselves."""
+        if not self.hardware_bf16:
+            return None
+        tiles = getattr(self.kernels, "bf16_tiles", None)
+        return None if tiles is not None and tiles() else HARDWARE_BF16_NATIVE_ROWS
 
     def packs_bf16(self) -> bool:
         """Whether bf16 weights are packed for the native kernels."""
