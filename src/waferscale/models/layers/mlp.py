@@ -62,7 +62,7 @@ class GatedMLP(nn.Module):
         self.kernels = None
         self.gate_up_pairs: torch.Tensor | None = None  # gate/up packed in pairs (silu only)
         self.pair_rows: int | None = None  # batches of at most this many rows use gate_up_pairs (None: any)
-        # act(gate) * up by the native kernel on bf16 rows (tanh-GELU; SiLU and the clamped SwiGLU after quantized)
+        # the activation by the native kernel on bf16 rows (tanh-GELU, the clamped SwiGLU; SiLU after quantized)
         self.native_mul = False
 
     def process_weights_after_loading(self, ctx: LoadContext) -> None:
@@ -73,7 +73,8 @@ class GatedMLP(nn.Module):
             return
         native_bf16 = ctx.kernels is not None and ctx.dtype == torch.bfloat16
         # SiLU after quantized projections only: bf16 ones take the packed pairs' one pass below
-        if native_bf16 and (self.act in (*GELU_TANH, "swiglu_clamped") or (self.act == "silu" and proj.quant)):
+        quantized_silu = self.act == "silu" and proj.quant is not None
+        if native_bf16 and (self.act in (*GELU_TANH, "swiglu_clamped") or quantized_silu):
             # bf16 rows take the native activation-and-multiply, as the whole-layer call does
             self.kernels, self.native_mul = ctx.kernels, True
             return

@@ -120,8 +120,8 @@ class Experts(nn.ModuleList):
 
     def process_weights_after_loading(self, ctx: LoadContext) -> None:
         """Let each expert choose its projections' methods, then take all experts in one native call where every
-        expert's projections are native bf16 (SiLU, no biases) or quantized (SiLU or the clamped SwiGLU, with their
-        biases where the family has them). bf16 experts are packed for the native
+        expert's projections are packed bf16 or quantized (MXFP4 included), with SiLU or the clamped SwiGLU and their
+        biases where the family has them. bf16 experts are packed for the native
         kernels at any row count, without the PyTorch copy kept beside the packed one for large batches where bf16
         is multiplied in hardware: experts are most of the model's bytes and take a few rows each."""
         if ctx.packs_bf16() and ctx.native_rows is not None:
