@@ -651,11 +651,18 @@ static int gemm_amx_bf16(const uint16_t *x, const uint16_t *wp, const float *bia
     /* a task: AMX_UNITS units (their B tiles made once, a few hundred KB that stay in L2), every pair of row
      * blocks against each of them in turn, so that a pair's A tiles are read from cache once per task rather than
      * once per unit */
-    const int64_t tasks = (units + AMX_UNITS - 1) / AMX_UNITS;
-#pragma omp parallel
+    const int64_t tasks = (units + AMX_UNITS - 1) / AMX_UNITS, per_thread = AMX_UNITS * per * kt * 512;
+    const int threads = omp_get_max_threads();
+    /* every thread's B tiles, allocated here so that a failure falls back to the FMA path */
+    uint16_t *all_bt = (uint16_t *)aligned_alloc(64, (size_t)(threads * per_thread) * sizeof(uint16_t));
+    if (!all_bt) {
+        free(xp);
+        return 0;
+    }
+#pragma omp parallel num_threads(threads)
     {
         _tile_loadconfig(&cfg);
-        uint16_t *bt = (uint16_t *)aligned_alloc(64, (size_t)(AMX_UNITS * per * kt * 512) * sizeof(uint16_t));
+        uint16_t *bt = all_bt + omp_get_thread_num() * per_thread;
         float c[4][16][16] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
@@ -699,9 +706,9 @@ static int gemm_amx_bf16(const uint16_t *x, const uint16_t *wp, const float *bia
                         }
                 }
         }
-        free(bt);
         _tile_release();
     }
+    free(all_bt);
     free(xp);
     return 1;
 }
