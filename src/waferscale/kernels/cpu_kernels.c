@@ -1320,8 +1320,8 @@ void masked_argmax(const float *x, int64_t B, int64_t V, const uint32_t *mask, i
 }
 
 /* y[:, r0:r1] (row stride ldy, bf16) = x W[r0:r1]^T (+ its bias) for rows [r0, r1) of a projection's quantized
- * parts stacked along N, by part_rows on each part's slice (the whole call's values). Called inside a parallel region, where
- * qgemm's own loops run on the calling thread. */
+ * parts stacked along N, by part_rows on each part's slice (the whole call's values). Called inside a parallel
+ * region, where qgemm's own loops run on the calling thread. */
 static void proj_rows(const proj_t *p, const uint16_t *x, int64_t M, int64_t K, int64_t r0, int64_t r1, uint16_t *y,
                       int64_t ldy) {
     for (int64_t i = 0, base = 0; i < p->nparts; base += p->parts[i].rows, i++) {
@@ -1376,10 +1376,10 @@ static void moe_experts_few(const uint16_t *xs, const int64_t *tokens, const uin
 /* A mixture-of-experts feed-forward for bf16 rows grouped by expert (models/layers/moe.py), in one call: expert e
  * takes the next counts[e] rows of xs [S, E] (0 for an expert no row chose), y = down(act(gate(x), up(x))) through
  * its projections (proj_t: packed bf16, gate/up in pairs of panels for SiLU, plain panels for the clamped SwiGLU;
- * or quantized parts, gate rows first; with their biases where proj_t has them), and each of its rows s adds bf16(y * w[s]) to out[tokens[s]] (float32
- * [T, E], zeroed by the caller), experts in id order: the kernels, roundings and order of the experts' modules
- * called one by one from Python (bit-identical: a quantized gate/up's activation is silu_mul_bf16's or
- * swiglu_clamped_bf16's, as the modules call them). */
+ * or quantized parts, gate rows first; with their biases where proj_t has them), and each of its rows s adds
+ * bf16(y * w[s]) to out[tokens[s]] (float32 [T, E], zeroed by the caller), experts in id order: the kernels,
+ * roundings and order of the experts' modules called one by one from Python (bit-identical: a quantized gate/up's
+ * activation is silu_mul_bf16's or swiglu_clamped_bf16's, as the modules call them). */
 #define MOE_FEW_ROWS 12 /* below it no expert's rows reach qgemm's tile path (AMX: tasks of 32 rows, a C tail) */
 void moe_experts_bf16(const uint16_t *xs, const int64_t *tokens, const uint16_t *w, const int64_t *counts,
                       const proj_t *gate_up, const proj_t *down, int64_t num_experts, int64_t E, int64_t I,

@@ -290,6 +290,10 @@ static inline float mx_bf16_f32(uint16_t h) {
     return f;
 }
 
+#define MX_TILE_ROWS 16 /* batches from this many rows take AMX tiles where they are on */
+int64_t qgemm_mxfp4_tiles(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint8_t *e,
+                          const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N);
+
 // out[m, n] (row stride ldo) = sum_k x[m, k] W[n, k] (+ bias[n]); x [M, K] contiguous, float32 or bf16 (x_bf16),
 // K a multiple of 32; q uint8 [N, K / 2], e uint8 [N, K / 32]; interleaved: the checkpoints' nibble order (else
 // GGUF's); int8_act: x rounded to int8 per block of 32 (mx_dot_rows_i8), else used as it is. out float32, or bf16
@@ -323,13 +327,16 @@ void mxfp4_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *
         }
         mx_quantize_rows(xs, m, k, xq, dx);
     }
+    const int64_t row_bytes = k / 2, row_scales = k / 32;
+    /* batches on AMX tiles where they are on (quant_kernels.c), whole groups of 32 weight rows; the rest below */
+    const int64_t tiled = int8_act && m >= MX_TILE_ROWS ? qgemm_mxfp4_tiles(xs, m, k, q, e, bias, res, out, out_bf16,
+                                                                            ldo, n) : 0;
 #ifdef MX_512
     mx512_t p512 = {0};
-    const int use512 = int8_act && k >= 128 && mx512_prepare(xq, dx, m, k, &p512);
+    const int use512 = int8_act && tiled < n && k >= 128 && mx512_prepare(xq, dx, m, k, &p512);
 #endif
-    const int64_t row_bytes = k / 2, row_scales = k / 32;
-#pragma omp parallel for schedule(static) if (n * m * k > (1 << 16))
-    for (int64_t col = 0; col < n; col++) {
+#pragma omp parallel for schedule(static) if ((n - tiled) * m * k > (1 << 16))
+    for (int64_t col = tiled; col < n; col++) {
         float acc[MX_ROWS];
         const float b = bias ? bias[col] : 0.0f;
         for (int64_t r0 = 0; r0 < m; r0 += MX_ROWS) {

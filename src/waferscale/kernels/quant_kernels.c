@@ -1355,8 +1355,115 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
         amx_tail(in.xq, in.xs, NULL, M, K, w, 8, 1, 16, ws, NULL, tasks * 16, N, bias, res, out, out_bf16, ldo);
     amx_inputs_free(&in);
 }
+
+/* MXFP4 blocks (mxfp4_kernels.c, GGUF's nibble order: byte j holds weights j and j + 16; the doubled e2m1 values
+ * against 2^(e - 128)) on the tiles, as gemm_amx takes 4-bit blocks: each block of 32 weight rows widened to bytes by
+ * the e2m1 table, signed products (tdpbssd), each block's sums scaled by the weight's and the row's scales. x float32
+ * [M, K], rounded to int8 per 32 as gemm_amx rounds it. Serves weight rows [0, 32 floor(N / 32)); returns how many
+ * (the caller takes the rest). */
+static const int8_t MX_TABLE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static int64_t gemm_amx_mxfp4(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint8_t *e,
+                              const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
+                              int64_t N) {
+    const int64_t nb = K / QB, mg = (M + 15) / 16, tasks = N / 32, row_bytes = K / 2;
+    if (!tasks) return 0;
+    amx_in_t in = amx_inputs(x, 0, M, K, 0);
+    const int8_t *bt = in.bt;
+    const float *xst = in.xst;
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 4; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* C: 16 weight rows x 16 int32 */
+    for (int i = 4; i < 6; i++) cfg.rows[i] = 16, cfg.colsb[i] = 32; /* A: 16 weight rows x 32 int8 */
+    for (int i = 6; i < 8; i++) cfg.rows[i] = 8, cfg.colsb[i] = 64;  /* B: 8 rows of 16 x 4 int8 */
+#pragma omp parallel
+    {
+        _tile_loadconfig(&cfg);
+        int32_t c[4][16][16] __attribute__((aligned(64)));
+        float *wsf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] the task's weight scales */
+        int8_t ab[2][16][32] __attribute__((aligned(64)));                  /* a block's values as bytes */
+        const __m128i table = _mm_loadu_si128((const __m128i *)MX_TABLE), low = _mm_set1_epi8(0x0F);
+        __m512 acc[2][32];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t n0 = 32 * t;
+            for (int i = 0; i < 32; i++)
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t eb = e[(n0 + i) * nb + b]; /* 2^(eb - 128), from its bits */
+                    const uint32_t bits = eb >= 2 ? (uint32_t)(eb - 1) << 23 : (uint32_t)1 << (21 + eb);
+                    memcpy(wsf + b * 32 + i, &bits, sizeof(float));
+                }
+            for (int64_t g0 = 0; g0 < mg; g0 += 2) {
+                const int two = g0 + 1 < mg;
+                for (int gi = 0; gi < 2; gi++)
+                    for (int i = 0; i < 32; i++) acc[gi][i] = _mm512_setzero_ps();
+                for (int64_t b = 0; b < nb; b++) {
+                    for (int r = 0; r < 32; r++) {
+                        const __m128i v = _mm_loadu_si128((const __m128i *)(q + (n0 + r) * row_bytes + b * 16));
+                        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(v, low));
+                        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), low));
+                        _mm256_store_si256((__m256i *)ab[r / 16][r % 16], _mm256_set_m128i(hi, lo));
+                    }
+                    _tile_loadd(4, ab[0], 32);
+                    _tile_loadd(5, ab[1], 32);
+                    _tile_loadd(6, bt + (g0 * nb + b) * 512, 64);
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_dpbssd(0, 4, 6);
+                    _tile_dpbssd(1, 5, 6);
+                    if (two) {
+                        _tile_loadd(7, bt + ((g0 + 1) * nb + b) * 512, 64);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        _tile_dpbssd(2, 4, 7);
+                        _tile_dpbssd(3, 5, 7);
+                    }
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    if (two) {
+                        _tile_stored(2, c[2], 64);
+                        _tile_stored(3, c[3], 64);
+                    }
+                    const float *wb = wsf + b * 32;
+                    for (int gi = 0; gi < 1 + two; gi++) {
+                        const __m512 xsv = _mm512_loadu_ps(xst + ((g0 + gi) * nb + b) * 16);
+                        for (int h = 0; h < 2; h++) { /* tile 2 gi + h: weight rows 16 h .. 16 h + 15 */
+                            const int32_t(*ct)[16] = c[2 * gi + h];
+                            __m512 *a = acc[gi] + 16 * h;
+                            const float *wh = wb + 16 * h;
+#pragma GCC unroll 16
+                            for (int i = 0; i < 16; i++) {
+                                const __m512 p = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)ct[i]));
+                                a[i] = _mm512_fmadd_ps(p, _mm512_mul_ps(_mm512_set1_ps(wh[i]), xsv), a[i]);
+                            }
+                        }
+                    }
+                }
+                for (int gi = 0; gi < 1 + two; gi++) {
+                    const int64_t m0 = 16 * (g0 + gi), rows = M - m0 < 16 ? M - m0 : 16;
+                    amx_store(acc[gi], 32, rows, m0, n0, bias, res, out, out_bf16, ldo);
+                }
+            }
+        }
+        free(wsf);
+        _tile_release();
+    }
+    amx_inputs_free(&in);
+    return tasks * 32;
+}
 #endif
 #endif
+
+/* mxfp4_kernels.c's batches (rows from mx_rows) on the tiles where they are on: the weight rows served, or 0 */
+int64_t qgemm_mxfp4_tiles(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint8_t *e,
+                          const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+#ifdef WQ_AMX
+    if (amx_on()) return gemm_amx_mxfp4(x, M, K, q, e, bias, res, out, out_bf16, ldo, N);
+#endif
+    (void)x, (void)M, (void)K, (void)q, (void)e, (void)bias, (void)res, (void)out, (void)out_bf16, (void)ldo, (void)N;
+    return 0;
+}
 
 /* whether the tiles are on (cpu_kernels.c's bf16 batches take them too) */
 int qgemm_amx_on(void) {
