@@ -117,16 +117,15 @@ MX_INLINE void mx_dot_rows(const float *x, int64_t k, const uint8_t *q, const ui
 // The same dot products with x rounded to int8 per block of 32 (xq, one float scale dx a block, as llama.cpp's
 // Q8_0 activations): the weights stay int8 (the doubled values), products are summed exactly in integers and each
 // block's sum is scaled once, so a block costs a few integer instructions instead of widening 32 weights to float.
-MX_INLINE void mx_dot_rows_i8(const int8_t *xq, const float *dx, int64_t k, const uint8_t *q, const uint8_t *e,
-                              float *acc, const int nr) {
-    const int64_t blocks = k / 32;
 #ifdef MX_AVX2
-    __m256 s[MX_ROWS];
-    for (int r = 0; r < nr; r++) s[r] = _mm256_setzero_ps();
+// s[r] += the blocks [b0, k / 32) of row r's sums, in 8 lanes (mx_dot_rows_i8's AVX2 steps)
+MX_INLINE void mx_blocks_i8(const int8_t *xq, const float *dx, int64_t k, const uint8_t *q, const uint8_t *e,
+                            int64_t b0, __m256 *s, const int nr) {
+    const int64_t blocks = k / 32;
     const __m128i table = _mm_loadu_si128((const __m128i *)MX_KVALUES);
     const __m128i low = _mm_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < blocks; b++) {
+    for (int64_t b = b0; b < blocks; b++) {
         const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + 16 * b));
         const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low));
         const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
@@ -141,8 +140,18 @@ MX_INLINE void mx_dot_rows_i8(const int8_t *xq, const float *dx, int64_t k, cons
             s[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, s[r]);
         }
     }
+}
+#endif
+
+MX_INLINE void mx_dot_rows_i8(const int8_t *xq, const float *dx, int64_t k, const uint8_t *q, const uint8_t *e,
+                              float *acc, const int nr) {
+#ifdef MX_AVX2
+    __m256 s[MX_ROWS];
+    for (int r = 0; r < nr; r++) s[r] = _mm256_setzero_ps();
+    mx_blocks_i8(xq, dx, k, q, e, 0, s, nr);
     for (int r = 0; r < nr; r++) acc[r] = mx_hsum(s[r]);
 #else
+    const int64_t blocks = k / 32;
     for (int64_t r = 0; r < nr; r++) acc[r] = 0.0f;
     int8_t w[32];
     for (int64_t b = 0; b < blocks; b++) {
@@ -208,10 +217,10 @@ static void mx512_free(mx512_t *p) { free(p->xa), free(p->corr), free(p->dxv); }
 
 // mx_dot_rows_i8's sums, four blocks a step: 64 weight bytes widened by one table lookup a half to unsigned values,
 // multiplied with x by dpbusd (exact integer sums, 4 lanes a block), each block's lanes scaled by its weight's and
-// x's scales; the blocks past the last group of 4 as mx_dot_rows_i8 takes them
+// x's scales; the blocks past the last group of 4 by mx_blocks_i8, as mx_dot_rows_i8 takes them
 MX_INLINE void mx_dot_rows_512(const mx512_t *p, const int8_t *xq, const float *dx, int64_t k, const uint8_t *q,
                                const uint8_t *e, float *acc, const int nr) {
-    const int64_t groups = p->groups, blocks = k / 32;
+    const int64_t groups = p->groups;
     __m512 s[MX_ROWS];
     for (int r = 0; r < nr; r++) s[r] = _mm512_setzero_ps();
     const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_UVALUES));
@@ -242,23 +251,7 @@ MX_INLINE void mx_dot_rows_512(const mx512_t *p, const int8_t *xq, const float *
     }
     __m256 t[MX_ROWS];
     for (int r = 0; r < nr; r++) t[r] = _mm256_setzero_ps();
-    const __m128i table16 = _mm_loadu_si128((const __m128i *)MX_KVALUES);
-    const __m128i low16 = _mm_set1_epi8(0x0f);
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 4 * groups; b < blocks; b++) {
-        const __m128i qb = _mm_loadu_si128((const __m128i *)(q + 16 * b));
-        const __m128i l = _mm_shuffle_epi8(table16, _mm_and_si128(qb, low16));
-        const __m128i h = _mm_shuffle_epi8(table16, _mm_and_si128(_mm_srli_epi16(qb, 4), low16));
-        const __m256i w = _mm256_set_m128i(h, l);
-        const __m256i aw = _mm256_sign_epi8(w, w);
-        const __m256 d = _mm256_broadcast_ss(MX_HALF + e[b]);
-        for (int r = 0; r < nr; r++) {
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + r * k + 32 * b));
-            const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(y, w)), ones);
-            const __m256 scale = _mm256_mul_ps(d, _mm256_broadcast_ss(dx + r * blocks + b));
-            t[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pr), scale, t[r]);
-        }
-    }
+    mx_blocks_i8(xq, dx, k, q, e, 4 * groups, t, nr);
     for (int r = 0; r < nr; r++) acc[r] = _mm512_reduce_add_ps(s[r]) + mx_hsum(t[r]);
 }
 #endif
@@ -291,8 +284,8 @@ static inline float mx_bf16_f32(uint16_t h) {
 }
 
 #define MX_TILE_ROWS 16 /* batches from this many rows take AMX tiles where they are on */
-int64_t qgemm_mxfp4_tiles(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint8_t *e,
-                          const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N);
+int qgemm_mxfp4_tiles(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint8_t *e, const float *bias,
+                      const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N);
 
 // out[m, n] (row stride ldo) = sum_k x[m, k] W[n, k] (+ bias[n]); x [M, K] contiguous, float32 or bf16 (x_bf16),
 // K a multiple of 32; q uint8 [N, K / 2], e uint8 [N, K / 32]; interleaved: the checkpoints' nibble order (else
@@ -316,6 +309,11 @@ void mxfp4_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *
             }
     }
     const float *xs = xf ? xf : (const float *)x;
+    /* batches on AMX tiles where they are on (quant_kernels.c's gemm_amx, which rounds x to int8 itself) */
+    if (int8_act && m >= MX_TILE_ROWS && qgemm_mxfp4_tiles(xs, m, k, q, e, bias, res, out, out_bf16, ldo, n)) {
+        free(xf);
+        return;
+    }
     int8_t *xq = NULL;
     float *dx = NULL;
     if (int8_act) {
@@ -328,15 +326,12 @@ void mxfp4_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *
         mx_quantize_rows(xs, m, k, xq, dx);
     }
     const int64_t row_bytes = k / 2, row_scales = k / 32;
-    /* batches on AMX tiles where they are on (quant_kernels.c), whole groups of 32 weight rows; the rest below */
-    const int64_t tiled = int8_act && m >= MX_TILE_ROWS ? qgemm_mxfp4_tiles(xs, m, k, q, e, bias, res, out, out_bf16,
-                                                                            ldo, n) : 0;
 #ifdef MX_512
     mx512_t p512 = {0};
-    const int use512 = int8_act && tiled < n && k >= 128 && mx512_prepare(xq, dx, m, k, &p512);
+    const int use512 = int8_act && k >= 128 && mx512_prepare(xq, dx, m, k, &p512);
 #endif
-#pragma omp parallel for schedule(static) if ((n - tiled) * m * k > (1 << 16))
-    for (int64_t col = tiled; col < n; col++) {
+#pragma omp parallel for schedule(static) if (n * m * k > (1 << 16))
+    for (int64_t col = 0; col < n; col++) {
         float acc[MX_ROWS];
         const float b = bias ? bias[col] : 0.0f;
         for (int64_t r0 = 0; r0 < m; r0 += MX_ROWS) {

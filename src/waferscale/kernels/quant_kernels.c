@@ -74,13 +74,14 @@ static inline float f16_f32(uint16_t h) {
 #endif
 }
 
-/* A weight matrix's scales (or mins), one per group of G weights along K, in one of three formats (SC_*):
- * float32 [N, K / G] (f); float16 [N, K / G] (h: GGUF's Q8_0, Q4_0 and Q4_1 as they store them); or, for GGUF's
+/* A weight matrix's scales (or mins), one per group of G weights along K, in one of four formats (SC_*):
+ * float32 [N, K / G] (f); float16 [N, K / G] (h: GGUF's Q8_0, Q4_0 and Q4_1 as they store them); for GGUF's
  * K-quants, their two levels as stored (b: a byte per group, signed as the weights are, times sup: a float32 per
- * 256 weights [N, K / 256]), so that a group's value is sup[g >> shift] * b[g]. Either is widened or multiplied out
+ * 256 weights [N, K / 256]), so that a group's value is sup[g >> shift] * b[g]; or MXFP4's e8m0 bytes (e: 2^(e - 128),
+ * against its doubled e2m1 values; the tile path only, gemm_amx). Either is widened or multiplied out
  * where it is used: the float32 value the one-level array would hold (an f16 times a 6- or 8-bit integer is exact
  * in float32), with fewer bytes to read. */
-enum { SC_F32 = 0, SC_F16 = 1, SC_TWO_LEVEL = 2 };
+enum { SC_F32 = 0, SC_F16 = 1, SC_TWO_LEVEL = 2, SC_E8M0 = 3 };
 /* qgemm's activations (act): float32 (exact weights), int8 per 32 (every layout, every batch), or auto (see the
  * top of this file: gemm_k and gemm_q8 below 16 and 12 rows, float32 for the rest) */
 enum { ACT_FLOAT32 = 0, ACT_INT8 = 1, ACT_AUTO = 2 };
@@ -90,6 +91,7 @@ typedef struct {
     const uint8_t *b;
     const float *sup;
     int sgn, shift;
+    const uint8_t *e;
 } sc_t;
 
 /* row n's scales, ng of them (NULL pointers stay NULL) */
@@ -100,13 +102,20 @@ static inline sc_t sc_row(sc_t s, int64_t n, int64_t ng) {
         s.b += n * ng;
         s.sup += n * (ng >> s.shift);
     }
+    if (s.e) s.e += n * ng;
     return s;
 }
 
-static inline int sc_some(const sc_t *s) { return s->f || s->h || s->b; }
+static inline int sc_some(const sc_t *s) { return s->f || s->h || s->b || s->e; }
 
 static inline float sc_at(const sc_t *s, int64_t g) {
     if (s->f) return s->f[g];
+    if (s->e) { /* 2^(e - 128) from its bits (subnormal below e = 2), as mxfp4_kernels.c's mx_half_scale */
+        const uint32_t bits = s->e[g] >= 2 ? (uint32_t)(s->e[g] - 1) << 23 : (uint32_t)1 << (21 + s->e[g]);
+        float v;
+        memcpy(&v, &bits, sizeof v);
+        return v;
+    }
     if (s->h) return f16_f32(s->h[g]);
     return s->sup[g >> s->shift] * (s->sgn ? (float)(int8_t)s->b[g] : (float)s->b[g]);
 }
@@ -695,8 +704,12 @@ static void gemm_panels(const float *xf, int64_t M, int64_t K, const uint8_t *w,
 /* the sc_t of scales (or mins) v [N, K / G] in format fmt (SC_*): float32, float16, or bytes (signed: sgn) times
  * sup [N, K / 256] */
 static sc_t sc_of(const void *v, const float *sup, int fmt, int sgn, int64_t G) {
-    sc_t s = {NULL, NULL, NULL, NULL, sgn, 0};
+    sc_t s = {NULL, NULL, NULL, NULL, sgn, 0, NULL};
     if (!v) return s;
+    if (fmt == SC_E8M0) {
+        s.e = (const uint8_t *)v;
+        return s;
+    }
     if (fmt != SC_TWO_LEVEL) {
         if (fmt == SC_F16) s.h = (const uint16_t *)v;
         else s.f = (const float *)v;
@@ -1053,10 +1066,11 @@ static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
 
 /* Batches on CPUs with AMX (gemm_amx_serves below says which): activations int8 per 32 (as gemm_q8), each block's
  * products summed by the tile unit. A = 16 weight rows x one 32-weight block, read in place (row stride K; 4-bit
- * blocks widened to bytes first); B = the block of 16 input rows in the tile unit's 4-byte-interleaved layout, made
- * once per call; C [16 weight rows][16 input rows] int32, then scaled (weight scale x row scale, plus min x the rows'
- * sums over the block) into float32 sums, block by block (another order of the float32 adds than the row paths').
- * Weight rows past the last multiple of 32 go through amx_tail. */
+ * blocks widened to bytes first, through a 16-entry table where the layout has one: MXFP4's e2m1 values); B = the
+ * block of 16 input rows in the tile unit's 4-byte-interleaved layout, made once per call; C [16 weight rows][16
+ * input rows] int32, then scaled (weight scale x row scale, plus min x the rows' sums over the block) into float32
+ * sums, block by block (another order of the float32 adds than the row paths'). Weight rows past the last multiple
+ * of 32 go through amx_tail. */
 static int amx_state = -1; /* -1 not asked yet, 0 unavailable or off, 1 on */
 
 static int amx_on(void) {
@@ -1085,7 +1099,8 @@ static int gemm_amx_serves(int64_t M, int bits, int sgn, int64_t G, int sfmt, co
  * the rows past the tiles' last whole task (plain C: at most 31 rows); scales per group of G (16 or 32) */
 static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t M, int64_t K, const uint8_t *w,
                      int bits, int sgn, int64_t G, const sc_t *ws, const sc_t *wm, int64_t n0, int64_t n1,
-                     const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo) {
+                     const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
+                     const int8_t *table) {
     const int64_t nb = K / QB, ng = K / G, row_bytes = bits == 8 ? K : K / 2;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wn = w + n * row_bytes;
@@ -1096,7 +1111,11 @@ static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t
                 int32_t dot = 0;
                 const int64_t k0 = g * G, b = k0 / QB;
                 const int8_t *xb = xq + m * K + k0;
-                if (bits == 4) /* one loop per layout: GCC 12 vectorized a select between them wrongly */
+                if (bits == 4 && table) /* one loop per layout: GCC 12 vectorized a select between them wrongly */
+                    for (int i = 0; i < 16; i++)
+                        dot += table[wn[b * 16 + i] & 0x0F] * (int32_t)xb[i] +
+                               table[wn[b * 16 + i] >> 4] * (int32_t)xb[i + 16];
+                else if (bits == 4)
                     for (int i = 0; i < 16; i++)
                         dot += (wn[b * 16 + i] & 0x0F) * (int32_t)xb[i] + (wn[b * 16 + i] >> 4) * (int32_t)xb[i + 16];
                 else if (sgn)
@@ -1173,7 +1192,7 @@ static void amx_store(const __m512 *acc, int nrows, int64_t rows, int64_t m0, in
 
 static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const int sgn, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
-                     int out_bf16, int64_t ldo, int64_t N) {
+                     int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
     const int64_t nb = K / QB, mg = (M + 15) / 16, tasks = N / 32, row_bytes = bits == 8 ? K : K / 2;
     amx_in_t in = amx_inputs(x, x_bf16, M, K, wm != NULL);
     const int8_t *bt = in.bt;
@@ -1193,6 +1212,7 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
         float *wsf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] the task's weight scales */
         float *wmf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] and mins */
         uint8_t ab[2][16][32] __attribute__((aligned(64)));                 /* 4-bit blocks widened to bytes */
+        const __m128i tab = table ? _mm_loadu_si128((const __m128i *)table) : _mm_setzero_si128();
         __m512 acc[2][32];
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
@@ -1223,8 +1243,9 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                     } else { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
                         for (int r = 0; r < 32; r++) {
                             const __m128i v = _mm_loadu_si128((const __m128i *)(w + (n0 + r) * row_bytes + b * 16));
-                            const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
-                            const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+                            __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+                            __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+                            if (table) lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi);
                             _mm256_store_si256((__m256i *)ab[r / 16][r % 16], _mm256_set_m128i(hi, lo));
                         }
                         _tile_loadd(4, ab[0], 32);
@@ -1290,7 +1311,8 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
         _tile_release();
     }
     if (tasks * 32 < N)
-        amx_tail(in.xq, in.xs, in.xg, M, K, w, bits, sgn, QB, ws, wm, tasks * 32, N, bias, res, out, out_bf16, ldo);
+        amx_tail(in.xq, in.xs, in.xg, M, K, w, bits, sgn, QB, ws, wm, tasks * 32, N, bias, res, out, out_bf16, ldo,
+                 table);
     amx_inputs_free(&in);
 }
 /* Q6_K's groups of 16 (signed bytes, two-level scales, no mins): each 32-weight block's halves in their own tile
@@ -1352,114 +1374,27 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
         _tile_release();
     }
     if (tasks * 16 < N)
-        amx_tail(in.xq, in.xs, NULL, M, K, w, 8, 1, 16, ws, NULL, tasks * 16, N, bias, res, out, out_bf16, ldo);
+        amx_tail(in.xq, in.xs, NULL, M, K, w, 8, 1, 16, ws, NULL, tasks * 16, N, bias, res, out, out_bf16, ldo,
+                 NULL);
     amx_inputs_free(&in);
 }
 
-/* MXFP4 blocks (mxfp4_kernels.c, GGUF's nibble order: byte j holds weights j and j + 16; the doubled e2m1 values
- * against 2^(e - 128)) on the tiles, as gemm_amx takes 4-bit blocks: each block of 32 weight rows widened to bytes by
- * the e2m1 table, signed products (tdpbssd), each block's sums scaled by the weight's and the row's scales. x float32
- * [M, K], rounded to int8 per 32 as gemm_amx rounds it. Serves weight rows [0, 32 floor(N / 32)); returns how many
- * (the caller takes the rest). */
-static const int8_t MX_TABLE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
-static int64_t gemm_amx_mxfp4(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint8_t *e,
-                              const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
-                              int64_t N) {
-    const int64_t nb = K / QB, mg = (M + 15) / 16, tasks = N / 32, row_bytes = K / 2;
-    if (!tasks) return 0;
-    amx_in_t in = amx_inputs(x, 0, M, K, 0);
-    const int8_t *bt = in.bt;
-    const float *xst = in.xst;
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 4; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* C: 16 weight rows x 16 int32 */
-    for (int i = 4; i < 6; i++) cfg.rows[i] = 16, cfg.colsb[i] = 32; /* A: 16 weight rows x 32 int8 */
-    for (int i = 6; i < 8; i++) cfg.rows[i] = 8, cfg.colsb[i] = 64;  /* B: 8 rows of 16 x 4 int8 */
-#pragma omp parallel
-    {
-        _tile_loadconfig(&cfg);
-        int32_t c[4][16][16] __attribute__((aligned(64)));
-        float *wsf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] the task's weight scales */
-        int8_t ab[2][16][32] __attribute__((aligned(64)));                  /* a block's values as bytes */
-        const __m128i table = _mm_loadu_si128((const __m128i *)MX_TABLE), low = _mm_set1_epi8(0x0F);
-        __m512 acc[2][32];
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
-            const int64_t n0 = 32 * t;
-            for (int i = 0; i < 32; i++)
-                for (int64_t b = 0; b < nb; b++) {
-                    const uint8_t eb = e[(n0 + i) * nb + b]; /* 2^(eb - 128), from its bits */
-                    const uint32_t bits = eb >= 2 ? (uint32_t)(eb - 1) << 23 : (uint32_t)1 << (21 + eb);
-                    memcpy(wsf + b * 32 + i, &bits, sizeof(float));
-                }
-            for (int64_t g0 = 0; g0 < mg; g0 += 2) {
-                const int two = g0 + 1 < mg;
-                for (int gi = 0; gi < 2; gi++)
-                    for (int i = 0; i < 32; i++) acc[gi][i] = _mm512_setzero_ps();
-                for (int64_t b = 0; b < nb; b++) {
-                    for (int r = 0; r < 32; r++) {
-                        const __m128i v = _mm_loadu_si128((const __m128i *)(q + (n0 + r) * row_bytes + b * 16));
-                        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(v, low));
-                        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), low));
-                        _mm256_store_si256((__m256i *)ab[r / 16][r % 16], _mm256_set_m128i(hi, lo));
-                    }
-                    _tile_loadd(4, ab[0], 32);
-                    _tile_loadd(5, ab[1], 32);
-                    _tile_loadd(6, bt + (g0 * nb + b) * 512, 64);
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_dpbssd(0, 4, 6);
-                    _tile_dpbssd(1, 5, 6);
-                    if (two) {
-                        _tile_loadd(7, bt + ((g0 + 1) * nb + b) * 512, 64);
-                        _tile_zero(2);
-                        _tile_zero(3);
-                        _tile_dpbssd(2, 4, 7);
-                        _tile_dpbssd(3, 5, 7);
-                    }
-                    _tile_stored(0, c[0], 64);
-                    _tile_stored(1, c[1], 64);
-                    if (two) {
-                        _tile_stored(2, c[2], 64);
-                        _tile_stored(3, c[3], 64);
-                    }
-                    const float *wb = wsf + b * 32;
-                    for (int gi = 0; gi < 1 + two; gi++) {
-                        const __m512 xsv = _mm512_loadu_ps(xst + ((g0 + gi) * nb + b) * 16);
-                        for (int h = 0; h < 2; h++) { /* tile 2 gi + h: weight rows 16 h .. 16 h + 15 */
-                            const int32_t(*ct)[16] = c[2 * gi + h];
-                            __m512 *a = acc[gi] + 16 * h;
-                            const float *wh = wb + 16 * h;
-#pragma GCC unroll 16
-                            for (int i = 0; i < 16; i++) {
-                                const __m512 p = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)ct[i]));
-                                a[i] = _mm512_fmadd_ps(p, _mm512_mul_ps(_mm512_set1_ps(wh[i]), xsv), a[i]);
-                            }
-                        }
-                    }
-                }
-                for (int gi = 0; gi < 1 + two; gi++) {
-                    const int64_t m0 = 16 * (g0 + gi), rows = M - m0 < 16 ? M - m0 : 16;
-                    amx_store(acc[gi], 32, rows, m0, n0, bias, res, out, out_bf16, ldo);
-                }
-            }
-        }
-        free(wsf);
-        _tile_release();
-    }
-    amx_inputs_free(&in);
-    return tasks * 32;
-}
 #endif
 #endif
 
-/* mxfp4_kernels.c's batches (rows from mx_rows) on the tiles where they are on: the weight rows served, or 0 */
-int64_t qgemm_mxfp4_tiles(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint8_t *e,
-                          const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+/* MXFP4 blocks (mxfp4_kernels.c's batches, GGUF's nibble order: byte j holds weights j and j + 16; e8m0 scales
+ * against the doubled e2m1 values) on the tiles where they are on, as gemm_amx takes 4-bit blocks with the e2m1
+ * table widening them to signed bytes; x float32 [M, K], rounded to int8 per 32. Returns whether it ran (0 without
+ * the tiles). */
+int qgemm_mxfp4_tiles(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint8_t *e, const float *bias,
+                      const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
 #ifdef WQ_AMX
-    if (amx_on()) return gemm_amx_mxfp4(x, M, K, q, e, bias, res, out, out_bf16, ldo, N);
+    static const int8_t MX_TABLE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    if (amx_on()) {
+        const sc_t ws = sc_of(e, NULL, SC_E8M0, 1, QB);
+        gemm_amx(x, 0, M, K, q, 4, 1, &ws, NULL, bias, res, out, out_bf16, ldo, N, MX_TABLE);
+        return 1;
+    }
 #endif
     (void)x, (void)M, (void)K, (void)q, (void)e, (void)bias, (void)res, (void)out, (void)out_bf16, (void)ldo, (void)N;
     return 0;
@@ -1511,7 +1446,7 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
 #ifdef WQ_AMX
     if (act == ACT_AUTO && gemm_amx_serves(M, bits, sgn, G, sfmt, mins_v) && amx_on()) {
         if (G == 16) gemm_amx16(x, x_bf16, M, K, w, scales, bias, res, out, out_bf16, ldo, N);
-        else gemm_amx(x, x_bf16, M, K, w, bits, sgn, scales, mins, bias, res, out, out_bf16, ldo, N);
+        else gemm_amx(x, x_bf16, M, K, w, bits, sgn, scales, mins, bias, res, out, out_bf16, ldo, N, NULL);
         return;
     }
 #endif

@@ -56,7 +56,8 @@ class GatedMLP(nn.Module):
             supported = ", ".join([*ACTIVATIONS, *GATED_ACTIVATIONS])
             raise ValueError(f"unsupported activation {act!r} (supported: {supported})")
         self.inter, self.act = intermediate_size, act
-        self.act_params = dict(act_params or {})  # a gated activation's parameters (gpt-oss: alpha, limit)
+        # a gated activation's parameters (gpt-oss: alpha, limit), the released values where a family gives none
+        self.act_params = {**(SWIGLU_DEFAULTS if act == "swiglu_clamped" else {}), **(act_params or {})}
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.kernels = None
@@ -131,5 +132,5 @@ class GatedMLP(nn.Module):
         if self.act == "silu":
             return self.kernels.silu_mul_bf16(gate_up)
         if self.act == "swiglu_clamped":
-            return self.kernels.swiglu_clamped_bf16(gate_up, **{**SWIGLU_DEFAULTS, **self.act_params})
+            return self.kernels.swiglu_clamped_bf16(gate_up, **self.act_params)
         return self.kernels.gelu_mul_bf16(gate_up)

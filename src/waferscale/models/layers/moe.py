@@ -18,10 +18,9 @@ from torch import nn
 from waferscale.heap import trim_heap
 from waferscale.models import quant
 from waferscale.models.layers.linear import Linear, LoadContext, within
-from waferscale.models.layers.mlp import SWIGLU_DEFAULTS, GatedMLP
+from waferscale.models.layers.mlp import GatedMLP
 
 SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"
-NATIVE_ACTIVATIONS = {"silu": 0, "swiglu_clamped": 1}  # the experts' activations moe_experts_bf16 has (MOE_ACT_*)
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,10 @@ class Experts(nn.ModuleList):
             # Qwen3-30B-A3B's shape in bf16: a 1.9 GB peak above the loaded size)
             trim_heap()
         self.method = GroupedExperts(self)
-        activation = NATIVE_ACTIVATIONS.get(self[0].act)
+        from waferscale.kernels import MOE_ACT_SILU, MOE_ACT_SWIGLU_CLAMPED, ExpertWeights
+
+        # the experts' activations moe_experts_bf16 has
+        activation = {"silu": MOE_ACT_SILU, "swiglu_clamped": MOE_ACT_SWIGLU_CLAMPED}.get(self[0].act)
         if ctx.kernels is None or ctx.dtype != torch.bfloat16 or activation is None:
             return
         gate_up = [e.decode_gate_up() for e in self]
@@ -143,14 +145,12 @@ class Experts(nn.ModuleList):
         if any(w is None for w in gate_up + down):
             return
         packed = any(isinstance(w, torch.Tensor) for w in gate_up + down)
-        from waferscale.kernels import ExpertWeights
-
         # the row limit of the bf16 paths (packed pairs, packed panels), as the modules apply it
         rows = min((r for e in self for r in (e.pair_rows, getattr(e.gate_up_proj.method, "max_rows", None),
                                                getattr(e.down_proj.method, "max_rows", None)) if r is not None),
                    default=None)
         biases = [[e.gate_up_proj.method.decode_bias() for e in self], [e.down_proj.method.decode_bias() for e in self]]
-        params = {**SWIGLU_DEFAULTS, **self[0].act_params} if self[0].act == "swiglu_clamped" else {}
+        params = self[0].act_params if self[0].act == "swiglu_clamped" else {}
         weights = ExpertWeights(gate_up, down, self.inter, quant.modules.ACT_MODE,  # as QuantLinear passes it
                                 *biases, activation=activation, **params)
         self.method = NativeExperts(ctx.kernels, weights, rows, self.method, packed)
