@@ -511,6 +511,28 @@ def test_a_model_that_does_not_fit_is_refused_before_loading(qwen3_moe, tmp_path
     assert not (tmp_path / "cache" / "converted").exists() or not any((tmp_path / "cache" / "converted").iterdir())
 
 
+def test_a_gguf_whose_conversion_does_not_fit_on_disk_is_refused_before_writing(tmp_path, monkeypatch):
+    """A GGUF's conversion that the cache's disk cannot hold is refused with the space it needs, nothing written."""
+    from collections import namedtuple
+
+    from transformers import AutoModelForCausalLM
+
+    from waferscale.models import ModelLoadError, loader
+
+    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-moe.gguf"
+    cfg = _qwen3_moe_config(mlp_only_layers=[])
+    _write_qwen3moe_gguf(path, _per_expert_state(AutoModelForCausalLM.from_config(cfg)), cfg)
+    usage = namedtuple("usage", "total used free")
+    disk_usage = loader.shutil.disk_usage
+    monkeypatch.setattr(loader.shutil, "disk_usage", lambda where: usage(1 << 40, 1 << 40, 4096))
+    with pytest.raises(ModelLoadError, match=r"writes about [\d.]+ MB to .*, which has 0\.0 MB free: free disk space"):
+        load_model(path, dtype="float32", progress=False)
+    assert not any((tmp_path / "cache" / "converted").iterdir())
+    monkeypatch.setattr(loader.shutil, "disk_usage", disk_usage)
+    assert load_model(path, dtype="float32", progress=False).config.num_experts == EXPERTS
+
+
 # ---------------------------------------------------------------- served through the SDK
 
 

@@ -46,7 +46,21 @@ def test_a_file_written_a_tensor_at_a_time_reads_back_with_safetensors(tmp_path)
             out.add(name, t)
     got = load_file(str(path))
     assert all(torch.equal(got[k], v) for k, v in _tensors().items())
-    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]  # the side file is gone
+    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]  # the partial file is renamed
+
+
+def test_a_header_larger_than_its_room_moves_the_data_up_in_place(tmp_path, monkeypatch):
+    """The data is written after room kept for the header; a larger header moves it up in the same file (a
+    conversion never needs twice its size on disk), in chunks smaller than the data here."""
+    monkeypatch.setattr(SafetensorsWriter, "ROOM", 16)
+    monkeypatch.setattr("waferscale.models.safetensors_stream._CHUNK", 5)
+    path = tmp_path / "w.safetensors"
+    with SafetensorsWriter(path) as out:
+        for name, t in _tensors().items():
+            out.add(name, t)
+    got = load_file(str(path))
+    assert all(torch.equal(got[k], v) for k, v in _tensors().items())
+    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
 
 
 def _load_experts(tensors: dict) -> list[Linear]:

@@ -262,6 +262,21 @@ def _refuse_unless_fits(need: int, src: Path) -> None:
         )
 
 
+def _refuse_unless_disk_holds(need: int, where: Path, src: Path) -> None:
+    """Refuse a conversion that cannot fit on the disk of the cache, before writing any of it."""
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise ModelLoadError(
+            f"converting {src.name} for serving writes about {_size(need)} to {where}, which has {_size(free)} "
+            "free: free disk space, or set WAFERSCALE_CACHE_DIR to a disk with room"
+        )
+
+
+def _size(n: int) -> str:
+    """Bytes for a message: GB from 1 GB, MB below."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
+
+
 def _gguf_weight_bytes(src: Path, dtype: torch.dtype, quantization: str) -> int:
     """At least the bytes a GGUF's weights take once loaded: quantized tensors kept in their blocks (about their
     size in the file), the others at dtype."""
@@ -304,14 +319,21 @@ def _converted_gguf(src: Path, dtype: str, progress: bool, quantization: str = "
     if (folder / "complete").is_file():
         return folder
     try:
-        _refuse_unless_fits(_gguf_weight_bytes(src, DTYPES[dtype], quantization), src)
+        need = _gguf_weight_bytes(src, DTYPES[dtype], quantization)
     except (ValueError, OSError):  # not a readable GGUF: read_gguf says why
-        pass
+        need = 0
+    _refuse_unless_fits(need, src)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _refuse_unless_disk_holds(need * 6 // 5, folder.parent, src)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    cfg, tokenizer, tensors = read_gguf(src, DTYPES[dtype], progress, quantization)
-    with SafetensorsWriter(tmp / "model.safetensors") as out:  # a tensor at a time: converted, written, freed
-        _write_converted(out, tensors, cfg.num_experts)
+    try:
+        cfg, tokenizer, tensors = read_gguf(src, DTYPES[dtype], progress, quantization)
+        with SafetensorsWriter(tmp / "model.safetensors") as out:  # a tensor at a time: converted, written, freed
+            _write_converted(out, tensors, cfg.num_experts)
+    except BaseException:  # a full disk, an interrupt: no half-written conversion left to fill the disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     del tensors
     trim_heap()
     (tmp / "config.json").write_text(json.dumps(cfg.to_dict()))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,13 +74,18 @@ def read_tensors(
 
 
 class SafetensorsWriter:
-    """A safetensors file written a tensor at a time: data goes to a side file as it comes, and `close` writes the
-    header and then copies the data after it (the header's size is known only at the end)."""
+    """A safetensors file written a tensor at a time, as the tensors come: the data is written after room kept for
+    the header (whose size is known only at the end), and `close` writes the header there, padded with spaces as
+    safetensors pads it. A header larger than that room moves the data up in place, from its end: the file never
+    needs twice its size on disk (a 20 GB conversion would need 40)."""
+
+    ROOM = 1 << 20  # bytes kept for the header: about 7,000 tensors' entries
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._data_path = self.path.with_name(self.path.name + ".data")
-        self._data = open(self._data_path, "wb")
+        self._partial = self.path.with_name(self.path.name + ".partial")
+        self._data = open(self._partial, "w+b")
+        self._data.seek(8 + self.ROOM)
         self._header: dict[str, dict] = {}
         self._at = 0
 
@@ -97,13 +101,22 @@ class SafetensorsWriter:
         self._at += len(raw)
 
     def close(self) -> None:
-        self._data.close()
         header = json.dumps(self._header, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)  # the data 8-byte aligned, as safetensors writes it
-        with open(self.path, "wb") as out, open(self._data_path, "rb") as data:
-            out.write(struct.pack("<Q", len(header)) + header)
-            shutil.copyfileobj(data, out, _CHUNK)
-        self._data_path.unlink()
+        fd, start = self._data.fileno(), 8 + self.ROOM
+        self._data.flush()
+        if len(header) <= self.ROOM:
+            header += b" " * (self.ROOM - len(header))
+        else:  # move the data up by the difference, last chunk first, so that no byte is overwritten unread
+            shift, end = len(header) - self.ROOM, start + self._at
+            os.ftruncate(fd, end + shift)
+            while end > start:
+                begin = max(start, end - _CHUNK)
+                os.pwrite(fd, os.pread(fd, end - begin, begin), begin + shift)
+                end = begin
+        os.pwrite(fd, struct.pack("<Q", len(header)) + header, 0)
+        self._data.close()
+        os.replace(self._partial, self.path)
 
     def __enter__(self) -> SafetensorsWriter:
         return self
@@ -113,4 +126,4 @@ class SafetensorsWriter:
             self.close()
         else:
             self._data.close()
-            self._data_path.unlink(missing_ok=True)
+            self._partial.unlink(missing_ok=True)
