@@ -82,13 +82,14 @@ def test_the_real_gemma_files_blocks_decode_exactly(gemma3_gguf):
 
 
 # bytes a weight of our layouts: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 keep their float16 scales (and mins), the K-quants their two
-# levels (a byte per group, a float32 per 256 weights); values take a byte, or a nibble for the 4-bit formats
+# levels (a byte per group, a float32 per 256 weights); values take a byte, five bits for Q5_0/Q5_1 (as the file
+# holds them), or a nibble for the 4-bit formats
 BYTES_A_WEIGHT = {
     "Q8_0": 1.0625,
     "Q4_0": 0.625,
     "Q4_1": 0.625,
-    "Q5_0": 1.0625,
-    "Q5_1": 1.125,
+    "Q5_0": 0.6875,
+    "Q5_1": 0.75,
     "Q4_K": 0.59375,
     "Q5_K": 1.09375,
     "Q6_K": 1.078125,
@@ -116,8 +117,9 @@ FLOAT32, INT8, AUTO = 0, 1, 2
 
 
 def _eight_bit(w: QuantWeight) -> bool:
-    """Q8_0, Q5_0 and --quantization int8's layout: signed bytes, a scale per 32, no mins."""
-    return w.bits == 8 and w.signed and w.group == 32 and w.mins is None and w.scale_format != 2
+    """Q8_0, Q5_0 and --quantization int8's layouts: signed bytes (or Q5_0's signed 5 bits), a scale per 32, no
+    mins."""
+    return w.bits in (8, 5) and w.signed and w.group == 32 and w.mins is None and w.scale_format != 2
 
 
 def _amx_rows(w: QuantWeight, act: int, rows: int, amx: bool) -> bool:

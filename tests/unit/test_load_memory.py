@@ -5,6 +5,9 @@ packed in chunks into the same panels."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -15,7 +18,13 @@ from waferscale.models.layers.linear import Linear
 from waferscale.models.layers.moe import GATE_UP_ROWS, split_stacked_experts, stack_gate_up
 from waferscale.models.quant import quantize
 from waferscale.models.quant.mxfp4 import quantize_mxfp4
-from waferscale.models.safetensors_stream import SafetensorsWriter, read_tensors
+from waferscale.models.safetensors_stream import (
+    HUGE_MIN,
+    HUGE_PAGE,
+    SafetensorsWriter,
+    empty_weight,
+    read_tensors,
+)
 
 E, N, K = 4, 32, 256  # experts, rows of gate (and of up) an expert, in_features (int4 in two levels)
 
@@ -204,3 +213,30 @@ def test_converting_a_gguf_tensor_a_few_rows_at_a_time_gives_the_same_blocks(mon
         for key in ("qweight", "scales", "mins", "sup", "supm"):
             a, b = getattr(got, key), getattr(want, key)
             assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (kind, key)
+
+
+def _vma_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds addr (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(), reason="no transparent huge pages")
+def test_large_weights_start_on_a_huge_page_advised_for_huge_pages():
+    """A weight from HUGE_MIN bytes starts at a 2 MiB boundary in memory advised for transparent huge pages (Linux
+    gives them only where asked); a small one is a plain tensor."""
+    big = empty_weight([HUGE_MIN // 2 + 3], torch.bfloat16)
+    assert big.shape == (HUGE_MIN // 2 + 3,) and big.dtype == torch.bfloat16
+    assert big.data_ptr() % HUGE_PAGE == 0
+    assert "hg" in _vma_flags(big.data_ptr())
+    big.fill_(1.5)  # every byte of it is usable
+    assert bool((big == 1.5).all())
+    small = empty_weight([4, 4], torch.float32)
+    assert small.untyped_storage().nbytes() == 64

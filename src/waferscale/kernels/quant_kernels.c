@@ -1,9 +1,11 @@
 /* Weight-only quantized linear layers: y = x W^T for W held as integer blocks (see waferscale/models/quant/).
  *
- * Two layouts cover every GGUF format we serve, losslessly:
- *   int8: one byte per weight, signed (Q8_0, Q6_K, Q5_0 less 16, --quantization int8) or unsigned 0..127 (Q5_K's
- *         and Q5_1's 5-bit values),
+ * Three layouts cover every GGUF format we serve, losslessly:
+ *   int8: one byte per weight, signed (Q8_0, Q6_K, --quantization int8) or unsigned 0..127 (Q5_K's 5-bit values),
  *         a scale per group of G = 16, 32 or 64 weights along K, and optionally a min per group;
+ *   int5: Q5_0's and Q5_1's blocks as GGUF stores their weights (20 bytes a 32-weight block: the low four bits as
+ *         int4 holds them, then a little-endian uint32 whose bit j is weight j's fifth), q 0..31, signed ones
+ *         (Q5_0) meaning q - 16; a scale per 32, and a min where unsigned (Q5_1);
  *   int4: two weights per byte (each 32-weight block: 16 bytes, byte j holding weight j in its low nibble and
  *         weight j + 16 in its high one, as GGUF's Q4_0/Q4_1 do), unsigned 0..15, a scale and a min per group.
  * Scales and mins are float32, float16 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 as GGUF stores them) or two-level (the
@@ -19,7 +21,7 @@
  *       depends only on that row, never on the batch.
  *   auto (the default): below INT8_ROWS_K rows (16) the two-level layouts (K-quants, int4) with activations rounded
  *       to int8 per 256 and integer sums over each super-block (gemm_k), and below INT8_ROWS_Q8 (12) 8-bit blocks
- *       (Q8_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp multiplies them; on CPUs with AMX,
+ *       (Q8_0, Q5_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp multiplies them; on CPUs with AMX,
  *       from those sizes on, 8-bit blocks and the two-level layouts (Q4_K, Q5_K, Q6_K) with activations per 32 by
  *       tiles (gemm_amx, gemm_amx16); float32 for everything else (Q4_0, Q4_1, larger batches).
  * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
@@ -120,7 +122,46 @@ static inline float sc_at(const sc_t *s, int64_t g) {
     return s->sup[g >> s->shift] * (s->sgn ? (float)(int8_t)s->b[g] : (float)s->b[g]);
 }
 
+/* bytes a 32-weight block takes in a row of a layout (bits 8, 5 or 4), and a row of K weights */
+#define BLOCK_BYTES(bits) ((bits) == 8 ? 32 : (bits) == 5 ? 20 : 16)
+static inline int64_t row_bytes_of(int bits, int64_t K) { return K / QB * BLOCK_BYTES(bits); }
+
+/* weight i (< 32) of the block at blk as the integer the kernels multiply */
+static inline int32_t block_q(const uint8_t *blk, int bits, int sgn, int i) {
+    if (bits == 8) return sgn ? (int32_t)(int8_t)blk[i] : (int32_t)blk[i];
+    int32_t q = i < 16 ? (blk[i] & 0x0F) : (blk[i - 16] >> 4);
+    if (bits == 5) {
+        q |= ((blk[16 + i / 8] >> (i % 8)) & 1) << 4;
+        if (sgn) q -= 16;
+    }
+    return q;
+}
+
 #ifdef WQ_AVX2
+/* the 32 weights of the block at blk as bytes in order (signed where sgn: int8, int5), from any layout */
+static inline __attribute__((always_inline)) __m256i block_bytes(const uint8_t *blk, const int bits, const int sgn) {
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)blk);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
+    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+    if (bits == 5) {
+        uint32_t h;
+        memcpy(&h, blk + 16, sizeof h);
+        const __m256i sixteen = _mm256_set1_epi8(16);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+        q = sgn ? _mm256_mask_sub_epi8(q, _cvtu32_mask32(~h), q, sixteen)
+                : _mm256_mask_add_epi8(q, _cvtu32_mask32(h), q, sixteen);
+#else /* byte j of h's j / 8 to every weight of its eight, then each weight's own bit */
+        const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                              3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i hb = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)h), pick), bit);
+        q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(hb, bit), sixteen));
+        if (sgn) q = _mm256_sub_epi8(q, sixteen);
+#endif
+    }
+    return q;
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -209,15 +250,8 @@ static inline __attribute__((always_inline)) void row_dots(const uint8_t *w, con
                                                            float *out) {
     __m256 acc[MT];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b++) {
-        __m256i wv;
-        if (bits == 8) {
-            wv = _mm256_loadu_si256((const __m256i *)(w + b * QB));
-        } else {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(w + b * QB / 2));
-            wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-        }
+        const __m256i wv = block_bytes(w + b * BLOCK_BYTES(bits), bits, sgn);
         const __m256i wu = sgn ? _mm256_sign_epi8(wv, wv) : wv;
         const __m256 wsc = gshift == 4
                                ? _mm256_set_m128(_mm_set1_ps(sc_at(ws, 2 * b + 1)), _mm_set1_ps(sc_at(ws, 2 * b)))
@@ -241,10 +275,7 @@ static inline void row_dots(const uint8_t *w, const sc_t *ws, int gshift, int64_
         for (int64_t b = 0; b < nb; b++) {
             int32_t lo = 0, hi = 0;
             for (int i = 0; i < QB; i++) {
-                int32_t q;
-                if (bits == 8) q = sgn ? (int32_t)(int8_t)w[b * QB + i] : (int32_t)w[b * QB + i];
-                else q = i < 16 ? (w[b * QB / 2 + i] & 0x0F) : (w[b * QB / 2 + i - 16] >> 4);
-                const int32_t p = q * (int32_t)xq[m * K + b * QB + i];
+                const int32_t p = block_q(w + b * BLOCK_BYTES(bits), bits, sgn, i) * (int32_t)xq[m * K + b * QB + i];
                 if (i < 16) lo += p; else hi += p;
             }
             const float sx = xs[m * nb + b];
@@ -311,6 +342,7 @@ static inline void put(float v, int64_t m, int64_t n, const float *bias, const u
 #define LAYOUT_DISPATCH(bits, sgn, mins, CALL)                                                                  \
     do {                                                                                                        \
         if ((bits) == 4) { if (mins) CALL(4, 0, 1); else CALL(4, 0, 0); }                                       \
+        else if ((bits) == 5) { if (sgn) CALL(5, 1, 0); else if (mins) CALL(5, 0, 1); else CALL(5, 0, 0); }      \
         else if (sgn) { if (mins) CALL(8, 1, 1); else CALL(8, 1, 0); }                                          \
         else { if (mins) CALL(8, 0, 1); else CALL(8, 0, 0); }                                                   \
     } while (0)
@@ -337,14 +369,7 @@ static inline __attribute__((always_inline)) void deq_block8(const uint8_t *cons
                                                              const __m256 mn[2], float *out, const int bits,
                                                              const int sgn, const int mins) {
     __m256i R[8], a[8], b[8], c[8];
-    for (int r = 0; r < 8; r++) {
-        if (bits == 8) {
-            R[r] = _mm256_loadu_si256((const __m256i *)(rows[r] + kb));
-        } else { /* low nibbles are columns 0..15, high nibbles 16..31: one 128-bit half each */
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(rows[r] + kb / 2));
-            R[r] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-        }
-    }
+    for (int r = 0; r < 8; r++) R[r] = block_bytes(rows[r] + kb / QB * BLOCK_BYTES(bits), bits, sgn);
     /* per half (columns j and 16 + j): a: row pairs, b: row quads, c: all 8 rows of 2 columns */
     for (int p = 0; p < 4; p++) {
         a[2 * p] = _mm256_unpacklo_epi8(R[2 * p], R[2 * p + 1]);     /* columns 0..7 */
@@ -448,12 +473,7 @@ static __attribute__((optimize("fp-contract=off"))) void deq_row(const uint8_t *
                                                                  const sc_t *ws, const sc_t *wm, int64_t k0,
                                                                  int64_t kc, float *out, int64_t stride) {
     for (int64_t k = k0; k < k0 + kc; k++) {
-        float q;
-        if (bits == 8) q = sgn ? (float)(int8_t)w[k] : (float)w[k];
-        else {
-            const int64_t b = k / QB, i = k % QB;
-            q = (float)(i < 16 ? (w[b * 16 + i] & 0x0F) : (w[b * 16 + i - 16] >> 4));
-        }
+        const float q = (float)block_q(w + k / QB * BLOCK_BYTES(bits), bits, sgn, (int)(k % QB));
         const float v = sc_at(ws, k >> gshift) * q;
         out[(k - k0) * stride] = sc_some(wm) ? v + sc_at(wm, k >> gshift) : v;
     }
@@ -490,7 +510,14 @@ static void qmicro(int64_t mb, const float *x, int64_t ldx, const float *P, int6
 /* the 32 q of the block at kb (unscaled), as float32, in column order */
 static inline __attribute__((always_inline)) void widen32(const uint8_t *w, int64_t kb, __m256 wf[4], const int bits,
                                                           const int sgn) {
-    if (bits == 8) {
+    if (bits == 5) { /* widened to bytes first */
+        uint8_t b[32];
+        _mm256_storeu_si256((__m256i *)b, block_bytes(w + kb / QB * 20, 5, sgn));
+        for (int j = 0; j < 4; j++) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 8 * j));
+            wf[j] = _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q));
+        }
+    } else if (bits == 8) {
         for (int j = 0; j < 4; j++) {
             const __m128i q = _mm_loadl_epi64((const __m128i *)(w + kb + 8 * j));
             wf[j] = _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q));
@@ -597,6 +624,7 @@ static inline __attribute__((always_inline)) void row_scaled(const uint8_t *w, c
             }                                                                                                     \
     }
 SMALL_FN(4, 0, 0) SMALL_FN(4, 0, 1) SMALL_FN(8, 1, 0) SMALL_FN(8, 1, 1) SMALL_FN(8, 0, 0) SMALL_FN(8, 0, 1)
+SMALL_FN(5, 1, 0) SMALL_FN(5, 0, 0)
 #else
 static void row_scaled_p(const uint8_t *w, const sc_t *ws, const sc_t *wm, int64_t ng, int gshift, const float *x,
                          const float *xg, int64_t K, float *sums, int64_t mt, int bits, int sgn) {
@@ -605,9 +633,7 @@ static void row_scaled_p(const uint8_t *w, const sc_t *ws, const sc_t *wm, int64
         for (int64_t kb = 0; kb < K; kb += QB) {
             float lo = 0.f, hi = 0.f;
             for (int i = 0; i < QB; i++) {
-                float q;
-                if (bits == 8) q = sgn ? (float)(int8_t)w[kb + i] : (float)w[kb + i];
-                else q = (float)(i < 16 ? (w[kb / 2 + i] & 0x0F) : (w[kb / 2 + i - 16] >> 4));
+                const float q = (float)block_q(w + kb / QB * BLOCK_BYTES(bits), bits, sgn, i);
                 if (i < 16) lo += q * x[m * K + kb + i];
                 else hi += q * x[m * K + kb + i];
             }
@@ -623,7 +649,7 @@ static void row_scaled_p(const uint8_t *w, const sc_t *ws, const sc_t *wm, int64
 static void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn,
                        int64_t G, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
                        int out_bf16, int64_t ldo, int64_t N) {
-    const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2, groups = (N + 3) / 4;
+    const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K), groups = (N + 3) / 4;
     const int gshift = G == 16 ? 4 : G == 32 ? 5 : G == 64 ? 6 : 7;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
@@ -633,6 +659,7 @@ static void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, c
                                                  out_bf16, ldo)
         const int g16 = gshift == 4;
         if (bits == 4) { if (g16) SMALL(4, 0, 1); else SMALL(4, 0, 0); }
+        else if (bits == 5) { if (sgn) SMALL(5, 1, 0); else SMALL(5, 0, 0); } /* groups of 32 only */
         else if (sgn) { if (g16) SMALL(8, 1, 1); else SMALL(8, 1, 0); }
         else { if (g16) SMALL(8, 0, 1); else SMALL(8, 0, 0); }
 #undef SMALL
@@ -657,7 +684,7 @@ static inline void prefetch_rows(const void *base, int64_t row, int64_t n0, int6
 static void gemm_panels(const float *xf, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
                         const sc_t *scales, const sc_t *mins, const float *bias, const uint16_t *res, void *out,
                         int out_bf16, int64_t ldo, int64_t N) {
-    const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2, wb = bits == 8 ? 1 : 2;
+    const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K);
     const int64_t sb = scales->f ? 4 : scales->h ? 2 : 1; /* bytes a scale (or min) as stored */
 #define SC_BASE(s) ((s)->f ? (const void *)(s)->f : (s)->h ? (const void *)(s)->h : (const void *)(s)->b)
     const void *sv = SC_BASE(scales), *mv = SC_BASE(mins);
@@ -681,7 +708,7 @@ static void gemm_panels(const float *xf, int64_t M, int64_t K, const uint8_t *w,
                 { /* the next chunk's weights, scales and mins (or the next panel's first) */
                     const int64_t pn = c + 1 < chunks ? n0 : n0 + 16, pk = c + 1 < chunks ? k0 + kc : 0;
                     const int64_t pn1 = pn + 16 < N ? pn + 16 : N, pk1 = K - pk < KC ? K : pk + KC;
-                    prefetch_rows(w, row_bytes, pn, pn1, pk / wb, pk1 / wb);
+                    prefetch_rows(w, row_bytes, pn, pn1, pk / QB * BLOCK_BYTES(bits), pk1 / QB * BLOCK_BYTES(bits));
                     prefetch_rows(sv, ng * sb, pn, pn1, (pk / G) * sb, (pk1 / G) * sb);
                     if (mv) prefetch_rows(mv, ng * sb, pn, pn1, (pk / G) * sb, (pk1 / G) * sb);
                 }
@@ -970,7 +997,7 @@ static int gemm_k_serves(int bits, int sgn, int64_t G, int sfmt, int64_t K) {
 static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
                    const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out, int out_bf16,
                    int64_t ldo, int64_t N) {
-    const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2, groups = (N + 3) / 4;
+    const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K), groups = (N + 3) / 4;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xd = (float *)malloc((size_t)(M * (K / KS)) * sizeof(float));
     int32_t *xb = (int32_t *)malloc((size_t)(M * (K / QB)) * sizeof(int32_t));
@@ -990,11 +1017,12 @@ static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
     free(xb);
 }
 
-/* 8-bit blocks (Q8_0, --quantization int8: signed, G = 32, no mins) below INT8_ROWS_Q8 rows, activations int8 per
+/* signed blocks of 32 without mins (Q8_0, --quantization int8; Q5_0 in its 5 bits) below INT8_ROWS_Q8 rows, activations int8 per
  * 32 as llama.cpp multiplies Q8_0 by Q8_0: per block an integer dot product (dpbusd with VNNI, maddubs + madd without),
  * turned to float32 and scaled by the weight's and x's scales, formed for 8 blocks at a time. */
 static inline __attribute__((always_inline)) void row_q8(const uint8_t *w, const sc_t *ws, const int8_t *xq,
-                                                         const float *xs, int64_t K, float sums[4], const int mt) {
+                                                         const float *xs, int64_t K, float sums[4], const int mt,
+                                                         const int bits) {
     const int64_t nb = K / QB;
     __m256 acc[4];
     float cs[4][8], wbuf[16];
@@ -1005,9 +1033,9 @@ static inline __attribute__((always_inline)) void row_q8(const uint8_t *w, const
         for (int m = 0; m < mt; m++)
             for (int64_t j = 0; j < nblk; j++) cs[m][j] = wsc[j] * xs[m * nb + c + j];
         for (int64_t j = 0; j < nblk; j++) {
-            const int64_t kb = (c + j) * QB;
-            if (j % 2 == 0) _mm_prefetch((const char *)(w + kb + PF_AHEAD), _MM_HINT_T0);
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + kb));
+            const int64_t kb = (c + j) * QB, at = (c + j) * BLOCK_BYTES(bits);
+            if (j % 2 == 0) _mm_prefetch((const char *)(w + at + PF_AHEAD), _MM_HINT_T0);
+            const __m256i wv = block_bytes(w + at, bits, 1);
             const __m256i wu = _mm256_sign_epi8(wv, wv);
             for (int m = 0; m < mt; m++) {
                 const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + m * K + kb)), wv);
@@ -1019,33 +1047,36 @@ static inline __attribute__((always_inline)) void row_q8(const uint8_t *w, const
     for (int m = 0; m < mt; m++) sums[m] = hsum(acc[m]);
 }
 
-static __attribute__((noinline)) void q8rows(const int8_t *xq, const float *xs, int64_t M, int64_t K,
-                                             const uint8_t *w, const sc_t *ws, int64_t n0, int64_t n1,
-                                             const float *bias, const uint16_t *res, void *out, int out_bf16,
-                                             int64_t ldo) {
-    const int64_t nb = K / QB;
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int64_t mt = M - m0 < 4 ? M - m0 : 4;
-            const sc_t sr = sc_row(*ws, n, nb);
-            const uint8_t *wn = w + n * K;
-            const int8_t *xm = xq + m0 * K;
-            const float *sm = xs + m0 * nb;
-            float sums[4];
-            if (mt == 4) row_q8(wn, &sr, xm, sm, K, sums, 4);
-            else if (mt == 3) row_q8(wn, &sr, xm, sm, K, sums, 3);
-            else if (mt == 2) row_q8(wn, &sr, xm, sm, K, sums, 2);
-            else row_q8(wn, &sr, xm, sm, K, sums, 1);
-            for (int64_t i = 0; i < mt; i++) put(sums[i], m0 + i, n, bias, res, out, out_bf16, ldo);
-        }
-}
+#define Q8ROWS_FN(BITS)                                                                                          \
+    static __attribute__((noinline)) void q8rows_##BITS(const int8_t *xq, const float *xs, int64_t M, int64_t K,  \
+                                                        const uint8_t *w, const sc_t *ws, int64_t n0, int64_t n1, \
+                                                        const float *bias, const uint16_t *res, void *out,        \
+                                                        int out_bf16, int64_t ldo) {                              \
+        const int64_t nb = K / QB;                                                                                \
+        for (int64_t n = n0; n < n1; n++)                                                                         \
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                               \
+                const int64_t mt = M - m0 < 4 ? M - m0 : 4;                                                       \
+                const sc_t sr = sc_row(*ws, n, nb);                                                               \
+                const uint8_t *wn = w + n * row_bytes_of(BITS, K);                                                \
+                const int8_t *xm = xq + m0 * K;                                                                   \
+                const float *sm = xs + m0 * nb;                                                                   \
+                float sums[4];                                                                                    \
+                if (mt == 4) row_q8(wn, &sr, xm, sm, K, sums, 4, BITS);                                           \
+                else if (mt == 3) row_q8(wn, &sr, xm, sm, K, sums, 3, BITS);                                      \
+                else if (mt == 2) row_q8(wn, &sr, xm, sm, K, sums, 2, BITS);                                      \
+                else row_q8(wn, &sr, xm, sm, K, sums, 1, BITS);                                                   \
+                for (int64_t i = 0; i < mt; i++) put(sums[i], m0 + i, n, bias, res, out, out_bf16, ldo);          \
+            }                                                                                                     \
+    }
+Q8ROWS_FN(8) Q8ROWS_FN(5)
 
 static int gemm_q8_serves(int bits, int sgn, int64_t G, int sfmt, const void *mins) {
-    return bits == 8 && sgn && G == QB && sfmt != SC_TWO_LEVEL && !mins;
+    return (bits == 8 || bits == 5) && sgn && G == QB && sfmt != SC_TWO_LEVEL && !mins;
 }
 
-static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const sc_t *ws,
-                    const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                    const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
+                    int64_t N) {
     const int64_t groups = (N + 3) / 4;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xs = (float *)malloc((size_t)(M * (K / QB)) * sizeof(float));
@@ -1053,7 +1084,8 @@ static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n0 = 4 * g, n1 = n0 + 4 < N ? n0 + 4 : N;
-        q8rows(xq, xs, M, K, w, ws, n0, n1, bias, res, out, out_bf16, ldo);
+        if (bits == 5) q8rows_5(xq, xs, M, K, w, ws, n0, n1, bias, res, out, out_bf16, ldo);
+        else q8rows_8(xq, xs, M, K, w, ws, n0, n1, bias, res, out, out_bf16, ldo);
     }
     free(xq);
     free(xs);
@@ -1101,7 +1133,7 @@ static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t
                      int bits, int sgn, int64_t G, const sc_t *ws, const sc_t *wm, int64_t n0, int64_t n1,
                      const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
                      const int8_t *table) {
-    const int64_t nb = K / QB, ng = K / G, row_bytes = bits == 8 ? K : K / 2;
+    const int64_t nb = K / QB, ng = K / G, row_bytes = row_bytes_of(bits, K);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wn = w + n * row_bytes;
         const sc_t sr = sc_row(*ws, n, ng), mr = wm ? sc_row(*wm, n, ng) : sr;
@@ -1118,6 +1150,8 @@ static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t
                 else if (bits == 4)
                     for (int i = 0; i < 16; i++)
                         dot += (wn[b * 16 + i] & 0x0F) * (int32_t)xb[i] + (wn[b * 16 + i] >> 4) * (int32_t)xb[i + 16];
+                else if (bits == 5)
+                    for (int i = 0; i < G; i++) dot += block_q(wn + b * 20, 5, sgn, (int)(k0 % QB) + i) * (int32_t)xb[i];
                 else if (sgn)
                     for (int i = 0; i < G; i++) dot += (int32_t)((const int8_t *)wn)[k0 + i] * (int32_t)xb[i];
                 else
@@ -1193,7 +1227,7 @@ static void amx_store(const __m512 *acc, int nrows, int64_t rows, int64_t m0, in
 static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const int sgn, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
                      int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
-    const int64_t nb = K / QB, mg = (M + 15) / 16, tasks = N / 32, row_bytes = bits == 8 ? K : K / 2;
+    const int64_t nb = K / QB, mg = (M + 15) / 16, tasks = N / 32, row_bytes = row_bytes_of(bits, K);
     amx_in_t in = amx_inputs(x, x_bf16, M, K, wm != NULL);
     const int8_t *bt = in.bt;
     const float *xst = in.xst, *xgt = in.xgt;
@@ -1240,6 +1274,12 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                     if (bits == 8) {
                         _tile_loadd(4, w + n0 * K + b * QB, K);
                         _tile_loadd(5, w + (n0 + 16) * K + b * QB, K);
+                    } else if (bits == 5) { /* widened to bytes */
+                        for (int r = 0; r < 32; r++)
+                            _mm256_store_si256((__m256i *)ab[r / 16][r % 16],
+                                               block_bytes(w + (n0 + r) * row_bytes + b * 20, 5, sgn));
+                        _tile_loadd(4, ab[0], 32);
+                        _tile_loadd(5, ab[1], 32);
                     } else { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
                         for (int r = 0; r < 32; r++) {
                             const __m128i v = _mm_loadu_si128((const __m128i *)(w + (n0 + r) * row_bytes + b * 16));
@@ -1440,7 +1480,7 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         return;
     }
     if (act == ACT_AUTO && M < INT8_ROWS_Q8 && gemm_q8_serves(bits, sgn, G, sfmt, mins_v)) {
-        gemm_q8(x, x_bf16, M, K, w, scales, bias, res, out, out_bf16, ldo, N);
+        gemm_q8(x, x_bf16, M, K, w, bits, scales, bias, res, out, out_bf16, ldo, N);
         return;
     }
 #ifdef WQ_AMX
@@ -1463,7 +1503,7 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         free(xg);
         return;
     }
-    const int64_t nb = K / QB, ng = K / G, row_bytes = bits == 8 ? K : K / 2;
+    const int64_t nb = K / QB, ng = K / G, row_bytes = row_bytes_of(bits, K);
     const int gshift = G == 16 ? 4 : G == 32 ? 5 : G == 64 ? 6 : 7;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
@@ -1475,6 +1515,8 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         const uint8_t *wn = w + n * row_bytes;
         const sc_t sr = sc_row(sc, n, ng), mr = sc_row(mn, n, ng), *sn = &sr, *mnr = &mr;
         if (bits == 4) weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 4, 0, y + n, N);
+        else if (bits == 5 && sgn) weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 5, 1, y + n, N);
+        else if (bits == 5) weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 5, 0, y + n, N);
         else if (sgn) weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 8, 1, y + n, N);
         else weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 8, 0, y + n, N);
     }
@@ -1497,7 +1539,7 @@ void qgemm_rows(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     const sc_t mn = sc_row(sc_of(mins_v, supm, sfmt, 0, G), n0, ng);
     const void *sv = sc.f ? (const void *)sc.f : sc.h ? (const void *)sc.h : (const void *)sc.b;
     const void *mv = mn.f ? (const void *)mn.f : mn.h ? (const void *)mn.h : (const void *)mn.b;
-    qgemm(x, x_bf16, M, K, w + n0 * (bits == 8 ? K : K / 2), bits, sgn, G, sv, mv, sc.sup, mn.sup, sfmt, bias, NULL,
+    qgemm(x, x_bf16, M, K, w + n0 * row_bytes_of(bits, K), bits, sgn, G, sv, mv, sc.sup, mn.sup, sfmt, bias, NULL,
           out, out_bf16, ldo, N, act);
 }
 
@@ -1507,19 +1549,14 @@ __attribute__((optimize("fp-contract=off"))) void qdequant(const uint8_t *w, int
                                                            const void *scales, const void *mins, const float *sup,
                                                            const float *supm, int sfmt, int64_t N, int64_t K,
                                                            float *out) {
-    const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2;
+    const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K);
     const sc_t sc = sc_of(scales, sup, sfmt, sgn, G), mn = sc_of(mins, supm, sfmt, 0, G);
 #pragma omp parallel for schedule(static) if (N * K > 65536)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = w + n * row_bytes;
         const sc_t sr = sc_row(sc, n, ng), mr = sc_row(mn, n, ng);
         for (int64_t k = 0; k < K; k++) {
-            float q;
-            if (bits == 8) q = sgn ? (float)(int8_t)wn[k] : (float)wn[k];
-            else {
-                const int64_t b = k / QB, i = k % QB;
-                q = (float)(i < 16 ? (wn[b * 16 + i] & 0x0F) : (wn[b * 16 + i - 16] >> 4));
-            }
+            const float q = (float)block_q(wn + k / QB * BLOCK_BYTES(bits), bits, sgn, (int)(k % QB));
             const float v = sc_at(&sr, k / G) * q;
             out[n * K + k] = mins ? v + sc_at(&mr, k / G) : v;
         }

@@ -30,14 +30,14 @@ from waferscale.models.quant import (
 )
 from waferscale.models.registry import family_for_hf
 from waferscale.models.safetensors_stream import DTYPES as STREAM_DTYPES
-from waferscale.models.safetensors_stream import SafetensorsWriter, read_header, read_tensors
+from waferscale.models.safetensors_stream import SafetensorsWriter, empty_weight, read_header, read_tensors
 from waferscale.models.source import ModelLoadError, cache_root, derive_name, model_source
 from waferscale.models.tokenizer import ModelTokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_CONVERSION_FORMAT = 8  # bump when the cached layout changes (3: quantized blocks, models/quant/; 4: scales as
+_CONVERSION_FORMAT = 9  # bump when the cached layout changes (3: quantized blocks, models/quant/; 4: scales as
 # GGUF stores them; 5: int4 in two levels where K allows; 7: GGUF's quantized gate and up expert stacks as one;
-# 8: its float expert stacks per expert)
+# 8: its float expert stacks per expert; 9: Q5_0 and Q5_1 in their 5 bits)
 
 
 @dataclass
@@ -180,7 +180,7 @@ def _fused_destinations(header: dict) -> dict[str, torch.Tensor]:
                    or i["shape"][1:] != info["shape"][1:] or not i["shape"] for i in infos):
                 continue
             rows = [i["shape"][0] for i in infos]
-            buf = torch.empty([sum(rows), *info["shape"][1:]], dtype=STREAM_DTYPES[info["dtype"]])
+            buf = empty_weight([sum(rows), *info["shape"][1:]], STREAM_DTYPES[info["dtype"]])
             for n, part in zip(names, buf.split(rows)):
                 out[n] = part
     return out

@@ -10,8 +10,10 @@ Format: https://github.com/huggingface/safetensors (8-byte header length, JSON h
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +32,38 @@ _CHUNK = 1 << 26  # bytes a read or write call moves at most (Linux moves at mos
 def _raw(t: torch.Tensor) -> memoryview:
     """A contiguous tensor's bytes, without a copy."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+HUGE_MIN = 16 << 20  # tensors from this size get huge pages: fewer TLB misses when a token streams through them
+
+
+def _madvise_huge(addr: int, length: int) -> bool:
+    """Ask Linux for transparent huge pages (MADV_HUGEPAGE) on [addr, addr + length); False where it declines."""
+    import ctypes
+    import ctypes.util
+
+    libc = _madvise_huge.__dict__.get("libc")
+    if libc is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _madvise_huge.libc = libc
+    return libc.madvise(addr, length, 14) == 0  # 14: MADV_HUGEPAGE
+
+
+def empty_weight(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor for a weight: from HUGE_MIN bytes, placed at a 2 MiB boundary and advised to be
+    backed by transparent huge pages before any of it is touched (Linux's default is to give them only where asked,
+    and a decode step reads every weight once: a 178 MB embedding head read 4 KiB page by page took 10 ms a token
+    against 7 with huge pages). What follows the last whole huge page keeps small pages, so nothing is wasted."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_MIN or sys.platform != "linux":
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    whole = (nbytes // HUGE_PAGE) * HUGE_PAGE
+    _madvise_huge(raw.data_ptr() + start, whole)
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, int]:
@@ -59,7 +93,7 @@ def read_tensors(
             begin, end = info["data_offsets"]
             t = (into or {}).get(name)
             if t is None:
-                t = torch.empty(info["shape"], dtype=DTYPES[info["dtype"]])
+                t = empty_weight(info["shape"], DTYPES[info["dtype"]])
             elif list(t.shape) != info["shape"] or t.dtype != DTYPES[info["dtype"]] or not t.is_contiguous():
                 raise ValueError(f"{path}: tensor {name!r} does not fit the destination given for it")
             if t.numel() * t.element_size() != end - begin:

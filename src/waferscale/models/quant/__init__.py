@@ -1,10 +1,11 @@
-"""Weight-only quantized weights: our two block layouts (layouts.py), GGUF's formats repacked into them losslessly
+"""Weight-only quantized weights: our three block layouts (layouts.py), GGUF's formats repacked into them losslessly
 (gguf_blocks.py), and the linear and embedding modules that serve from them (modules.py, through
 kernels/quant_kernels.c), with no float copy kept.
 
 A weight [N, K] is scale * q + min per group of `group` weights along K:
-  int8: q one signed byte (Q8_0, Q6_K, Q5_0's values less 16, --quantization int8) or one unsigned byte 0..127
-        (Q5_K's and Q5_1's 5-bit values);
+  int8: q one signed byte (Q8_0, Q6_K, --quantization int8) or one unsigned byte 0..127 (Q5_K's 5-bit values);
+  int5: Q5_0's and Q5_1's 5-bit q as GGUF stores it, 20 bytes a 32-weight block: the low four bits as int4 holds
+        them, then a little-endian uint32 whose bit j is weight j's fifth; signed (Q5_0) means q - 16;
   int4: q one nibble 0..15, two a byte (Q4_0, Q4_1, Q4_K, --quantization int4).
 Scales and mins are [N, K / group] in one of three formats (QuantWeight.scale_format); mins may be absent
 (symmetric): float32 (--quantization int8, and int4 where K is not a multiple of 256); float16 as Q8_0, Q4_0,

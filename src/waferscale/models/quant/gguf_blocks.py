@@ -50,12 +50,12 @@ def from_gguf(data: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | None
         )
     if kind in ("Q5_0", "Q5_1"):  # d (, m) f16, qh: bit j of a uint32 is q[j]'s fifth, 16 bytes of nibbles as Q4_*
         qh, qs = (b[:, 2:6], b[:, 6:]) if kind == "Q5_0" else (b[:, 4:8], b[:, 8:])
-        hi = np.ascontiguousarray(qh).view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [blocks, 32]
-        lo = qs.reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)  # q[j], q[j + 16]
-        q = ((lo & 15).reshape(-1, 32) | ((hi & 1).astype(np.uint8) << 4)).reshape(n, k)
-        if kind == "Q5_0":  # d * (q - 16): a signed byte -16..15 and its float16 scale, Q8_0's layout
-            return weight_from_values(q.astype(np.int8) - np.int8(16), _h(b[:, :2]), None, 8, 32, signed=True)
-        return weight_from_values(q, _h(b[:, :2]), _h(b[:, 2:4]), 8, 32)  # d * q + m: a byte 0..31, float16 scale and min
+        blocks = np.concatenate([qs, qh], axis=1).reshape(n, k // 32 * 20)  # our int5: the nibbles, then the bits
+        qweight = torch.from_numpy(np.ascontiguousarray(blocks))
+        d = torch.from_numpy(_h(b[:, :2]).reshape(n, -1))
+        if kind == "Q5_0":  # d * (q - 16): signed
+            return QuantWeight(qweight, d, None, 5, 32, True)
+        return QuantWeight(qweight, d, torch.from_numpy(_h(b[:, 2:4]).reshape(n, -1)), 5, 32, False)  # d * q + m
     if kind in ("Q4_K", "Q5_K"):  # d, dmin f16, 12 bytes of 6-bit scales/mins, (qh,) qs
         d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
         sc, m = _k_scale_min(b[:, 4:16])  # scale = d * sc, min = -dmin * m: kept as two levels

@@ -1,4 +1,4 @@
-"""Our two block layouts (QuantWeight; see the package docstring) and --quantization int8/int4's quantizers."""
+"""Our three block layouts (QuantWeight; see the package docstring) and --quantization int8/int4's quantizers."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ GROUP = 32  # --quantization int8/int4 group size along K
 
 @dataclass
 class QuantWeight:
-    """A [N, K] weight in one of our two block layouts (see the module docstring)."""
+    """A [N, K] weight in one of our three block layouts (see the package docstring)."""
 
-    qweight: torch.Tensor  # int8/uint8 [N, K] (bits 8) or uint8 [N, K / 2] (bits 4)
+    qweight: torch.Tensor  # int8/uint8 [N, K] (bits 8), uint8 [N, K / 32 * 20] (bits 5) or [N, K / 2] (bits 4)
     scales: torch.Tensor  # float32 [N, K / group]; with sup: int8 (signed) or uint8 [N, K / group]
     mins: torch.Tensor | None  # float32 [N, K / group], or None; with supm: uint8 [N, K / group]
     bits: int
     group: int
-    signed: bool = True  # bits 8 only: q is int8 (else 0..127)
+    signed: bool = True  # bits 8: q is int8 (else 0..127); bits 5: q - 16 (else q)
     sup: torch.Tensor | None = None  # two-level scales (K-quants): float32 [N, K / 256], scale = sup * scales
     supm: torch.Tensor | None = None  # and mins: min = supm * mins
 
@@ -64,6 +64,12 @@ class QuantWeight:
         """q as int32 [N, K]."""
         if self.bits == 8:
             return self.qweight.view(torch.int8 if self.signed else torch.uint8).to(torch.int32)
+        if self.bits == 5:  # per block: 16 bytes of nibbles as bits 4 holds them, then a uint32 of fifth bits
+            blocks = self.qweight.view(torch.uint8).view(self.out_features, -1, 20).to(torch.int32)
+            nib, hi = blocks[..., :16], blocks[..., 16:]
+            fifth = (hi.unsqueeze(-1) >> torch.arange(8)) & 1  # [N, blocks, 4, 8]: bit j of the uint32
+            q = torch.cat([nib & 15, nib >> 4], dim=-1) | (fifth.flatten(-2) << 4)
+            return (q - 16 if self.signed else q).view(self.out_features, -1)
         q = self.qweight.view(torch.uint8).view(self.out_features, -1, 16).to(torch.int32)
         return torch.cat([q & 15, q >> 4], dim=-1).view(self.out_features, -1)
 
