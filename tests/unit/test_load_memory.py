@@ -235,7 +235,10 @@ def test_large_weights_start_on_a_huge_page_advised_for_huge_pages():
     big = empty_weight([HUGE_MIN // 2 + 3], torch.bfloat16)
     assert big.shape == (HUGE_MIN // 2 + 3,) and big.dtype == torch.bfloat16
     assert big.data_ptr() % HUGE_PAGE == 0
-    assert "hg" in _vma_flags(big.data_ptr())
+    flags = _vma_flags(big.data_ptr())
+    if not flags:
+        pytest.skip("this kernel's /proc/self/smaps shows no VmFlags")
+    assert "hg" in flags
     big.fill_(1.5)  # every byte of it is usable
     assert bool((big == 1.5).all())
     small = empty_weight([4, 4], torch.float32)
