@@ -85,7 +85,7 @@ def main() -> None:
     layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
     kv = args.kv_cache_memory << 20
     kinds = args.kinds.split(",")
-    ggufs = quant.ggufs_of(folder, cache, tuple(k for k in kinds if k != "MXFP4"))
+    ggufs = quant.ggufs_of(folder, cache, tuple("BF16" if k == "MXFP4" else k for k in kinds))
     ggufs["MXFP4"] = ggufs["BF16"]  # an MXFP4 checkpoint's conversion: its experts stay MXFP4
     ws = str(Path(sys.executable).parent / "waferscale")
     runs = []  # (kind, server, bytes a token reads, weight bytes)

@@ -108,11 +108,12 @@ def llama_binary(cache: Path, target: str) -> Path:
 
 
 def ggufs_of(folder: Path, cache: Path, kinds: tuple[str, ...] = ("Q8_0", "Q4_K_M")) -> dict[str, Path]:
-    """The BF16 GGUF of a Hugging Face folder (an MXFP4 checkpoint's experts stay MXFP4 in it) and its `kinds`
-    quantizations, made once under cache."""
+    """The GGUFs of a Hugging Face folder for `kinds` (BF16, where an MXFP4 checkpoint's experts stay MXFP4, and
+    quantizations of it), made once under cache: the BF16 one only when it is asked for or a quantization is missing
+    (a 30B shape's BF16 file is 10 GB per 8 layers)."""
     out = {k: cache / f"{folder.name}.{k}.gguf" for k in ("BF16", "Q8_0", "Q4_K_M")}
     llama_dir = base.llama_cpp_dir(cache)
-    if not out["BF16"].is_file():
+    if not all(out[k].is_file() for k in ("BF16", *kinds)):
         env = {**os.environ, "PYTHONPATH": base.converter_path(cache, llama_dir), "NO_LOCAL_GGUF": ""}
         tmp = out["BF16"].with_name(out["BF16"].name + ".tmp")
         cmd = [sys.executable, str(llama_dir / "convert_hf_to_gguf.py"), str(folder), "--outtype", "bf16"]
@@ -120,7 +121,7 @@ def ggufs_of(folder: Path, cache: Path, kinds: tuple[str, ...] = ("Q8_0", "Q4_K_
         tmp.rename(out["BF16"])
     quantize = llama_binary(cache, "llama-quantize")
     for kind in kinds:
-        if not out[kind].is_file():
+        if kind != "BF16" and not out[kind].is_file():
             tmp = out[kind].with_name(out[kind].name + ".tmp")
             base.run_logged([str(quantize), str(out["BF16"]), str(tmp), kind], cache / "quantize.log")
             tmp.rename(out[kind])
