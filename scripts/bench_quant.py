@@ -113,7 +113,7 @@ def ggufs_of(folder: Path, cache: Path, kinds: tuple[str, ...] = ("Q8_0", "Q4_K_
     (a 30B shape's BF16 file is 10 GB per 8 layers)."""
     out = {k: cache / f"{folder.name}.{k}.gguf" for k in ("BF16", "Q8_0", "Q4_K_M")}
     llama_dir = base.llama_cpp_dir(cache)
-    if not all(out[k].is_file() for k in ("BF16", *kinds)):
+    if not out["BF16"].is_file() and any(not out[k].is_file() for k in kinds):
         env = {**os.environ, "PYTHONPATH": base.converter_path(cache, llama_dir), "NO_LOCAL_GGUF": ""}
         tmp = out["BF16"].with_name(out["BF16"].name + ".tmp")
         cmd = [sys.executable, str(llama_dir / "convert_hf_to_gguf.py"), str(folder), "--outtype", "bf16"]
