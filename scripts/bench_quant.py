@@ -38,7 +38,7 @@ QUICK = {
 }
 # bytes a weight in each served layout (ours: Q8_0, Q4_0, Q4_1: a float16 scale, and min where the format has one,
 # per group of 32, as stored; the K-quants: a byte scale (and min) per group times a float32 (each) per 256 weights)
-OURS_BPW = {"Q8_0": 1.0625, "Q4_0": 0.625, "Q4_1": 0.625, "Q5_0": 0.6875, "Q5_1": 0.75, "Q4_K": 0.59375, "Q5_K": 1.09375, "Q6_K": 1.078125}
+OURS_BPW = {"Q8_0": 1.0625, "Q4_0": 0.625, "Q4_1": 0.625, "Q5_0": 0.6875, "Q5_1": 0.75, "Q4_K": 0.59375, "Q5_K": 1.09375, "Q6_K": 0.828125}
 # --quantization: int8 a float32 scale per 32; int4 Q4_K's two levels (the 1B and 8B shapes' K are multiples of 256)
 METHOD_BPW = {"none": 2.0, "int8": 1.125, "int4": 0.59375}
 

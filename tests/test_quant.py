@@ -92,7 +92,7 @@ BYTES_A_WEIGHT = {
     "Q5_1": 0.75,
     "Q4_K": 0.59375,
     "Q5_K": 1.09375,
-    "Q6_K": 1.078125,
+    "Q6_K": 0.828125,
 }
 
 
@@ -130,7 +130,7 @@ def _amx_rows(w: QuantWeight, act: int, rows: int, amx: bool) -> bool:
     if _eight_bit(w):
         return rows >= INT8_ROWS_Q8
     two_level_32 = w.group == 32 and not w.signed  # Q4_K, Q5_K
-    q6k = w.group == 16 and w.signed and w.bits == 8 and w.mins is None
+    q6k = w.group == 16 and w.signed and w.bits in (8, 6) and w.mins is None
     return w.scale_format == 2 and (two_level_32 or q6k) and rows >= INT8_ROWS_K
 
 
@@ -409,7 +409,7 @@ def test_quantized_gguf_loads_and_answers_from_its_blocks(tmp_path, monkeypatch,
     assert not any(isinstance(p, torch.nn.Parameter) and p.dim() == 2 for p in served.model.parameters())
     if name == "Q4_K":  # q, k in Q4_K and v in Q6_K stay two parts, each in its own layout
         qkv = served.model.layers[0].self_attn.qkv_proj.quant
-        assert [(p.bits, p.group) for p in qkv.parts] == [(4, 32), (8, 16)]
+        assert [(p.bits, p.group) for p in qkv.parts] == [(4, 32), (6, 16)]
     exact = load_model(path, dtype="float32", progress=False)  # today's path: dequantized float32
     assert exact.quantization == "none"
     ids = served.tokenizer.encode("Hello there, how are you")

@@ -1,11 +1,14 @@
 /* Weight-only quantized linear layers: y = x W^T for W held as integer blocks (see waferscale/models/quant/).
  *
- * Three layouts cover every GGUF format we serve, losslessly:
- *   int8: one byte per weight, signed (Q8_0, Q6_K, --quantization int8) or unsigned 0..127 (Q5_K's 5-bit values),
+ * Four layouts cover every GGUF format we serve, losslessly:
+ *   int8: one byte per weight, signed (Q8_0, --quantization int8) or unsigned 0..127 (Q5_K's 5-bit values),
  *         a scale per group of G = 16, 32 or 64 weights along K, and optionally a min per group;
  *   int5: Q5_0's and Q5_1's blocks as GGUF stores their weights (20 bytes a 32-weight block: the low four bits as
  *         int4 holds them, then a little-endian uint32 whose bit j is weight j's fifth), q 0..31, signed ones
  *         (Q5_0) meaning q - 16; a scale per 32, and a min where unsigned (Q5_1);
+ *   int6: Q6_K's 6-bit q (24 bytes a 32-weight block: the low four bits as int4 holds them, then 8 bytes, byte i
+ *         holding the top two bits of weights i, i + 8, i + 16 and i + 24 in its bit pairs 0, 2, 4, 6), meaning
+ *         q - 32, scales per 16 in two levels;
  *   int4: two weights per byte (each 32-weight block: 16 bytes, byte j holding weight j in its low nibble and
  *         weight j + 16 in its high one, as GGUF's Q4_0/Q4_1 do), unsigned 0..15, a scale and a min per group.
  * Scales and mins are float32, float16 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 as GGUF stores them) or two-level (the
@@ -122,8 +125,8 @@ static inline float sc_at(const sc_t *s, int64_t g) {
     return s->sup[g >> s->shift] * (s->sgn ? (float)(int8_t)s->b[g] : (float)s->b[g]);
 }
 
-/* bytes a 32-weight block takes in a row of a layout (bits 8, 5 or 4), and a row of K weights */
-#define BLOCK_BYTES(bits) ((bits) == 8 ? 32 : (bits) == 5 ? 20 : 16)
+/* bytes a 32-weight block takes in a row of a layout (bits 8, 6, 5 or 4), and a row of K weights */
+#define BLOCK_BYTES(bits) ((bits) == 8 ? 32 : (bits) == 6 ? 24 : (bits) == 5 ? 20 : 16)
 static inline int64_t row_bytes_of(int bits, int64_t K) { return K / QB * BLOCK_BYTES(bits); }
 
 /* weight i (< 32) of the block at blk as the integer the kernels multiply */
@@ -134,11 +137,15 @@ static inline int32_t block_q(const uint8_t *blk, int bits, int sgn, int i) {
         q |= ((blk[16 + i / 8] >> (i % 8)) & 1) << 4;
         if (sgn) q -= 16;
     }
+    if (bits == 6) {
+        q |= ((blk[16 + i % 8] >> (2 * (i / 8))) & 3) << 4;
+        if (sgn) q -= 32;
+    }
     return q;
 }
 
 #ifdef WQ_AVX2
-/* the 32 weights of the block at blk as bytes in order (signed where sgn: int8, int5), from any layout */
+/* the 32 weights of the block at blk as bytes in order (signed where sgn: int8, int6, int5), from any layout */
 static inline __attribute__((always_inline)) __m256i block_bytes(const uint8_t *blk, const int bits, const int sgn) {
     if (bits == 8) return _mm256_loadu_si256((const __m256i *)blk);
     const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
@@ -158,6 +165,13 @@ static inline __attribute__((always_inline)) __m256i block_bytes(const uint8_t *
         q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(hb, bit), sixteen));
         if (sgn) q = _mm256_sub_epi8(q, sixteen);
 #endif
+    }
+    if (bits == 6) { /* 64-bit lane t (weights 8 t ..) takes the bit pairs at 2 t of the 8 bytes */
+        uint64_t h;
+        memcpy(&h, blk + 16, sizeof h);
+        const __m256i hv = _mm256_srlv_epi64(_mm256_set1_epi64x((long long)h), _mm256_setr_epi64x(0, 2, 4, 6));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(hv, _mm256_set1_epi8(3)), 4));
+        if (sgn) q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
     }
     return q;
 }
@@ -343,6 +357,7 @@ static inline void put(float v, int64_t m, int64_t n, const float *bias, const u
     do {                                                                                                        \
         if ((bits) == 4) { if (mins) CALL(4, 0, 1); else CALL(4, 0, 0); }                                       \
         else if ((bits) == 5) { if (sgn) CALL(5, 1, 0); else if (mins) CALL(5, 0, 1); else CALL(5, 0, 0); }      \
+        else if ((bits) == 6) CALL(6, 1, 0);                                                                    \
         else if (sgn) { if (mins) CALL(8, 1, 1); else CALL(8, 1, 0); }                                          \
         else { if (mins) CALL(8, 0, 1); else CALL(8, 0, 0); }                                                   \
     } while (0)
@@ -510,9 +525,9 @@ static void qmicro(int64_t mb, const float *x, int64_t ldx, const float *P, int6
 /* the 32 q of the block at kb (unscaled), as float32, in column order */
 static inline __attribute__((always_inline)) void widen32(const uint8_t *w, int64_t kb, __m256 wf[4], const int bits,
                                                           const int sgn) {
-    if (bits == 5) { /* widened to bytes first */
+    if (bits == 5 || bits == 6) { /* widened to bytes first */
         uint8_t b[32];
-        _mm256_storeu_si256((__m256i *)b, block_bytes(w + kb / QB * 20, 5, sgn));
+        _mm256_storeu_si256((__m256i *)b, block_bytes(w + kb / QB * BLOCK_BYTES(bits), bits, sgn));
         for (int j = 0; j < 4; j++) {
             const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 8 * j));
             wf[j] = _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q));
@@ -624,7 +639,7 @@ static inline __attribute__((always_inline)) void row_scaled(const uint8_t *w, c
             }                                                                                                     \
     }
 SMALL_FN(4, 0, 0) SMALL_FN(4, 0, 1) SMALL_FN(8, 1, 0) SMALL_FN(8, 1, 1) SMALL_FN(8, 0, 0) SMALL_FN(8, 0, 1)
-SMALL_FN(5, 1, 0) SMALL_FN(5, 0, 0)
+SMALL_FN(5, 1, 0) SMALL_FN(5, 0, 0) SMALL_FN(6, 1, 1)
 #else
 static void row_scaled_p(const uint8_t *w, const sc_t *ws, const sc_t *wm, int64_t ng, int gshift, const float *x,
                          const float *xg, int64_t K, float *sums, int64_t mt, int bits, int sgn) {
@@ -660,6 +675,7 @@ static void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, c
         const int g16 = gshift == 4;
         if (bits == 4) { if (g16) SMALL(4, 0, 1); else SMALL(4, 0, 0); }
         else if (bits == 5) { if (sgn) SMALL(5, 1, 0); else SMALL(5, 0, 0); } /* groups of 32 only */
+        else if (bits == 6) SMALL(6, 1, 1);                                    /* Q6_K: signed, groups of 16 */
         else if (sgn) { if (g16) SMALL(8, 1, 1); else SMALL(8, 1, 0); }
         else { if (g16) SMALL(8, 0, 1); else SMALL(8, 0, 0); }
 #undef SMALL
@@ -846,7 +862,7 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
         } else {
             for (int j = 0; j < KS / QB; j++) {
                 const int64_t kb = k0 + j * QB;
-                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + kb));
+                const __m256i wv = block_bytes(w + kb / QB * BLOCK_BYTES(bits), bits, sgn);
                 const __m256i wu = sgn ? _mm256_sign_epi8(wv, wv) : wv;
                 /* G = 16: the block's two scales, one a lane; G = 32: its one scale in both */
                 const __m256i sc = g16 ? _mm256_shuffle_epi8(j < 4 ? slo : shi, pair_scale_shuffle(j & 3))
@@ -892,7 +908,7 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
     }
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     const int per = g16 ? 16 : 8;         /* groups a super-block */
-    const int steps = KS * bits / 8 / 64; /* 64-byte steps a super-block: 2 or 4 */
+    const int steps = bits == 4 ? 2 : 4; /* 64-weight-pair or 64-weight steps a super-block */
     const int stride = bits == 4 || g16 ? 4 : 2, shift = bits == 4 || g16 ? 3 : 4;
     const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
                                           13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -926,7 +942,10 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
             }
         } else {
             for (int c = 0; c < 4; c++) {
-                const __m512i wv = _mm512_loadu_si512((const void *)(wb + 64 * c));
+                const __m512i wv =
+                    bits == 6 ? _mm512_inserti64x4(_mm512_castsi256_si512(block_bytes(wb + 48 * c, 6, sgn)),
+                                                   block_bytes(wb + 48 * c + 24, 6, sgn), 1)
+                              : _mm512_loadu_si512((const void *)(wb + 64 * c));
                 const __m512i wu = sgn ? _mm512_abs_epi8(wv) : wv;
                 const __mmask64 neg = sgn ? _mm512_movepi8_mask(wv) : 0;
                 const __m512i sc = _mm512_permutexvar_epi16(sidx[c], s16);
@@ -979,7 +998,7 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
                 for (int64_t i = 0; i < mt; i++) put(sums[i], m0 + i, n, bias, res, out, out_bf16, ldo);          \
             }                                                                                                     \
     }
-KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0)
+KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
 
 /* auto takes the integer paths below these batch sizes, the float32 panels from them on. Measured on a 2-core AMD
  * EPYC (Zen 1, AVX2, no VNNI: its slowest integer units) with bench_qgemm.py, 1B shapes, time of the integer path
@@ -988,10 +1007,12 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0)
 #define INT8_ROWS_K 16
 #define INT8_ROWS_Q8 12
 
-/* the two-level layouts this path serves: Q4_K (4, unsigned, G 32), Q6_K (8, signed, G 16), Q5_K (8, unsigned, 32) */
+/* the two-level layouts this path serves: Q4_K (4, unsigned, G 32), Q6_K (6, signed, G 16; and 8 bits, as earlier
+ * conversions hold it), Q5_K (8, unsigned, 32) */
 static int gemm_k_serves(int bits, int sgn, int64_t G, int sfmt, int64_t K) {
     if (sfmt != SC_TWO_LEVEL || K % KS) return 0;
-    return (bits == 4 && !sgn && G == 32) || (bits == 8 && sgn && G == 16) || (bits == 8 && !sgn && G == 32);
+    return (bits == 4 && !sgn && G == 32) || ((bits == 8 || bits == 6) && sgn && G == 16) ||
+           (bits == 8 && !sgn && G == 32);
 }
 
 static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
@@ -1008,6 +1029,7 @@ static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
 #define KROWS(B, S, G16) krows_##B##_##S##_##G16(xq, xd, xb, M, K, w, row_bytes, ws, wm, ng, n0, n1, bias, res, out, \
                                                  out_bf16, ldo)
         if (bits == 4) KROWS(4, 0, 0);
+        else if (bits == 6) KROWS(6, 1, 1);
         else if (sgn) KROWS(8, 1, 1);
         else KROWS(8, 0, 0);
 #undef KROWS
@@ -1124,7 +1146,7 @@ typedef struct {
 static int gemm_amx_serves(int64_t M, int bits, int sgn, int64_t G, int sfmt, const void *mins) {
     if (gemm_q8_serves(bits, sgn, G, sfmt, mins)) return M >= INT8_ROWS_Q8;
     if (M < INT8_ROWS_K || sfmt != SC_TWO_LEVEL) return 0;
-    return (G == QB && !sgn && (bits == 4 || bits == 8)) || (G == 16 && sgn && bits == 8 && !mins);
+    return (G == QB && !sgn && (bits == 4 || bits == 8)) || (G == 16 && sgn && (bits == 8 || bits == 6) && !mins);
 }
 
 /* the integer sums of weight rows n0 .. n1 against every input row, one at a time, then scaled as the tiles' are:
@@ -1150,8 +1172,9 @@ static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t
                 else if (bits == 4)
                     for (int i = 0; i < 16; i++)
                         dot += (wn[b * 16 + i] & 0x0F) * (int32_t)xb[i] + (wn[b * 16 + i] >> 4) * (int32_t)xb[i + 16];
-                else if (bits == 5)
-                    for (int i = 0; i < G; i++) dot += block_q(wn + b * 20, 5, sgn, (int)(k0 % QB) + i) * (int32_t)xb[i];
+                else if (bits == 5 || bits == 6)
+                    for (int i = 0; i < G; i++)
+                        dot += block_q(wn + b * BLOCK_BYTES(bits), bits, sgn, (int)(k0 % QB) + i) * (int32_t)xb[i];
                 else if (sgn)
                     for (int i = 0; i < G; i++) dot += (int32_t)((const int8_t *)wn)[k0 + i] * (int32_t)xb[i];
                 else
@@ -1358,8 +1381,9 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
 /* Q6_K's groups of 16 (signed bytes, two-level scales, no mins): each 32-weight block's halves in their own tile
  * products (K = 16: A 16 weight rows x 16 bytes, B the half's 4 rows of the block's B tile), each scaled by its
  * group's scale; 16 weight rows and 16 input rows a pass. Rows past a multiple of 16 in amx_tail. */
-static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const sc_t *ws,
-                       const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                       const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
+                       int64_t N) {
     const int64_t nb = K / QB, ng = K / 16, mg = (M + 15) / 16, tasks = N / 16;
     amx_in_t in = amx_inputs(x, x_bf16, M, K, 0);
     const int8_t *bt = in.bt;
@@ -1374,6 +1398,7 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
     {
         _tile_loadconfig(&cfg);
         int32_t c[2][16][16] __attribute__((aligned(64)));
+        uint8_t ab[16][32] __attribute__((aligned(64)));                   /* int6 blocks widened to bytes */
         float *wsf = (float *)malloc((size_t)(ng * 16) * sizeof(float)); /* [ng][16] the task's group scales */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
@@ -1386,8 +1411,16 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
                 __m512 acc[16];
                 for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
                 for (int64_t b = 0; b < nb; b++) {
-                    _tile_loadd(2, w + n0 * K + b * QB, K);
-                    _tile_loadd(3, w + n0 * K + b * QB + 16, K);
+                    if (bits == 6) {
+                        const int64_t row_bytes = row_bytes_of(6, K);
+                        for (int r = 0; r < 16; r++)
+                            _mm256_store_si256((__m256i *)ab[r], block_bytes(w + (n0 + r) * row_bytes + b * 24, 6, 1));
+                        _tile_loadd(2, ab[0], 32);
+                        _tile_loadd(3, ab[0] + 16, 32);
+                    } else {
+                        _tile_loadd(2, w + n0 * K + b * QB, K);
+                        _tile_loadd(3, w + n0 * K + b * QB + 16, K);
+                    }
                     _tile_loadd(4, bt + (g0 * nb + b) * 512, 64);
                     _tile_loadd(5, bt + (g0 * nb + b) * 512 + 256, 64);
                     _tile_zero(0);
@@ -1414,7 +1447,7 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
         _tile_release();
     }
     if (tasks * 16 < N)
-        amx_tail(in.xq, in.xs, NULL, M, K, w, 8, 1, 16, ws, NULL, tasks * 16, N, bias, res, out, out_bf16, ldo,
+        amx_tail(in.xq, in.xs, NULL, M, K, w, bits, 1, 16, ws, NULL, tasks * 16, N, bias, res, out, out_bf16, ldo,
                  NULL);
     amx_inputs_free(&in);
 }
@@ -1485,7 +1518,7 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
     }
 #ifdef WQ_AMX
     if (act == ACT_AUTO && gemm_amx_serves(M, bits, sgn, G, sfmt, mins_v) && amx_on()) {
-        if (G == 16) gemm_amx16(x, x_bf16, M, K, w, scales, bias, res, out, out_bf16, ldo, N);
+        if (G == 16) gemm_amx16(x, x_bf16, M, K, w, bits, scales, bias, res, out, out_bf16, ldo, N);
         else gemm_amx(x, x_bf16, M, K, w, bits, sgn, scales, mins, bias, res, out, out_bf16, ldo, N, NULL);
         return;
     }
@@ -1517,6 +1550,7 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         if (bits == 4) weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 4, 0, y + n, N);
         else if (bits == 5 && sgn) weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 5, 1, y + n, N);
         else if (bits == 5) weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 5, 0, y + n, N);
+        else if (bits == 6) weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 6, 1, y + n, N);
         else if (sgn) weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 8, 1, y + n, N);
         else weight_row_int8(wn, sn, mnr, gshift, ng, nb, xq, xs, xg, M, K, 8, 0, y + n, N);
     }

@@ -35,9 +35,9 @@ from waferscale.models.source import ModelLoadError, cache_root, derive_name, mo
 from waferscale.models.tokenizer import ModelTokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_CONVERSION_FORMAT = 9  # bump when the cached layout changes (3: quantized blocks, models/quant/; 4: scales as
+_CONVERSION_FORMAT = 10  # bump when the cached layout changes (3: quantized blocks, models/quant/; 4: scales as
 # GGUF stores them; 5: int4 in two levels where K allows; 7: GGUF's quantized gate and up expert stacks as one;
-# 8: its float expert stacks per expert; 9: Q5_0 and Q5_1 in their 5 bits)
+# 8: its float expert stacks per expert; 9: Q5_0 and Q5_1 in their 5 bits; 10: Q6_K in its 6)
 
 
 @dataclass

@@ -1,9 +1,11 @@
-"""Weight-only quantized weights: our three block layouts (layouts.py), GGUF's formats repacked into them losslessly
+"""Weight-only quantized weights: our four block layouts (layouts.py), GGUF's formats repacked into them losslessly
 (gguf_blocks.py), and the linear and embedding modules that serve from them (modules.py, through
 kernels/quant_kernels.c), with no float copy kept.
 
 A weight [N, K] is scale * q + min per group of `group` weights along K:
-  int8: q one signed byte (Q8_0, Q6_K, --quantization int8) or one unsigned byte 0..127 (Q5_K's 5-bit values);
+  int8: q one signed byte (Q8_0, --quantization int8) or one unsigned byte 0..127 (Q5_K's 5-bit values);
+  int6: Q6_K's 6-bit q, 24 bytes a 32-weight block: the low four bits as int4 holds them, then 8 bytes, byte i
+        holding the top two bits of weights i, i + 8, i + 16 and i + 24 in its bit pairs 0, 2, 4, 6; q - 32;
   int5: Q5_0's and Q5_1's 5-bit q as GGUF stores it, 20 bytes a 32-weight block: the low four bits as int4 holds
         them, then a little-endian uint32 whose bit j is weight j's fifth; signed (Q5_0) means q - 16;
   int4: q one nibble 0..15, two a byte (Q4_0, Q4_1, Q4_K, --quantization int4).

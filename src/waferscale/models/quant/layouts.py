@@ -1,4 +1,4 @@
-"""Our three block layouts (QuantWeight; see the package docstring) and --quantization int8/int4's quantizers."""
+"""Our four block layouts (QuantWeight; see the package docstring) and --quantization int8/int4's quantizers."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ GROUP = 32  # --quantization int8/int4 group size along K
 
 @dataclass
 class QuantWeight:
-    """A [N, K] weight in one of our three block layouts (see the package docstring)."""
+    """A [N, K] weight in one of our four block layouts (see the package docstring)."""
 
-    qweight: torch.Tensor  # int8/uint8 [N, K] (bits 8), uint8 [N, K / 32 * 20] (bits 5) or [N, K / 2] (bits 4)
+    qweight: torch.Tensor  # int8/uint8 [N, K] (bits 8), uint8 [N, K / 32 * 24] (6), [N, K / 32 * 20] (5), [N, K / 2] (4)
     scales: torch.Tensor  # float32 [N, K / group]; with sup: int8 (signed) or uint8 [N, K / group]
     mins: torch.Tensor | None  # float32 [N, K / group], or None; with supm: uint8 [N, K / group]
     bits: int
     group: int
-    signed: bool = True  # bits 8: q is int8 (else 0..127); bits 5: q - 16 (else q)
+    signed: bool = True  # bits 8: q is int8 (else 0..127); bits 5: q - 16 (else q); bits 6: q - 32
     sup: torch.Tensor | None = None  # two-level scales (K-quants): float32 [N, K / 256], scale = sup * scales
     supm: torch.Tensor | None = None  # and mins: min = supm * mins
 
@@ -70,6 +70,12 @@ class QuantWeight:
             fifth = (hi.unsqueeze(-1) >> torch.arange(8)) & 1  # [N, blocks, 4, 8]: bit j of the uint32
             q = torch.cat([nib & 15, nib >> 4], dim=-1) | (fifth.flatten(-2) << 4)
             return (q - 16 if self.signed else q).view(self.out_features, -1)
+        if self.bits == 6:  # per block: 16 bytes of nibbles, then 8 bytes: byte i holds weights i + 8 t's top bits at 2 t
+            blocks = self.qweight.view(torch.uint8).view(self.out_features, -1, 24).to(torch.int32)
+            nib, hi = blocks[..., :16], blocks[..., 16:]
+            top = (hi.unsqueeze(-2) >> (2 * torch.arange(4)).unsqueeze(-1)) & 3  # [N, blocks, 4 (t), 8 (i)]
+            q = torch.cat([nib & 15, nib >> 4], dim=-1) | (top.flatten(-2) << 4)
+            return (q - 32 if self.signed else q).view(self.out_features, -1)
         q = self.qweight.view(torch.uint8).view(self.out_features, -1, 16).to(torch.int32)
         return torch.cat([q & 15, q >> 4], dim=-1).view(self.out_features, -1)
 
@@ -198,6 +204,16 @@ def pack_nibbles(q: np.ndarray) -> np.ndarray:
     n = q.shape[0]
     blocks = q.reshape(n, -1, 2, 16)
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, -1).astype(np.uint8)
+
+
+def pack_high_pairs(q: np.ndarray) -> np.ndarray:
+    """The top two bits of 6-bit values q [N, blocks, 32] as int6 stores them: [N, blocks, 8], byte i holding weights
+    i, i + 8, i + 16 and i + 24 in its bit pairs 0, 2, 4 and 6."""
+    top = (q.astype(np.uint8) >> 4) & 3
+    quarters = top.reshape(*q.shape[:-1], 4, 8)
+    return (quarters[..., 0, :] | quarters[..., 1, :] << 2 | quarters[..., 2, :] << 4 | quarters[..., 3, :] << 6).astype(
+        np.uint8
+    )
 
 
 def weight_from_values(
