@@ -207,6 +207,27 @@ def test_integer_kernel_matches_float_reference(kind):
 
 
 @needs_native
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 16, 33])
+@pytest.mark.parametrize("act", [FLOAT32, INT8, AUTO])
+def test_packed_5_and_6_bit_blocks_give_what_the_same_values_as_bytes_give(kind, rows, act):
+    """Q5_0/Q5_1 (int5) and Q6_K (int6) kept in their bits: every path (each batch size's, each activation mode's)
+    gives bit for bit what it gives for the same values held a byte a weight, the layout they had before."""
+    n, k = 40, 512
+    w = from_gguf(random_blocks(kind, n, k, seed=3), kind, n, k)
+    assert w.bits == (6 if kind == "Q6_K" else 5)
+    as_bytes = QuantWeight(
+        w.values().to(torch.int8 if w.signed else torch.uint8).contiguous(),
+        w.scales, w.mins, 8, w.group, w.signed, w.sup, w.supm,
+    )
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    got, want = (torch.empty(rows, n, dtype=torch.bfloat16) for _ in range(2))
+    native.qgemm(x, w, got, act=act)
+    native.qgemm(x, as_bytes, want, act=act)
+    assert torch.equal(got, want)
+
+
+@needs_native
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_amx_tiles_give_each_row_the_integer_sums(kind):
     """Where the CPU has AMX, auto multiplies 8-bit blocks from 12 rows, and Q4_K, Q5_K and Q6_K from 16, by tiles: 33

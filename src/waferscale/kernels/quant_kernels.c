@@ -1398,8 +1398,9 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
     {
         _tile_loadconfig(&cfg);
         int32_t c[2][16][16] __attribute__((aligned(64)));
-        uint8_t ab[16][32] __attribute__((aligned(64)));                   /* int6 blocks widened to bytes */
         float *wsf = (float *)malloc((size_t)(ng * 16) * sizeof(float)); /* [ng][16] the task's group scales */
+        /* int6: the task's 16 rows widened to bytes once, [nb][16][32], for every group of input rows */
+        uint8_t *wide = bits == 6 ? (uint8_t *)aligned_alloc(64, (size_t)(nb * 512)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 16 * t;
@@ -1407,16 +1408,19 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
                 const sc_t sr = sc_row(*ws, n0 + i, ng);
                 for (int64_t g = 0; g < ng; g++) wsf[g * 16 + i] = sc_at(&sr, g);
             }
+            if (wide)
+                for (int i = 0; i < 16; i++) {
+                    const uint8_t *wr = w + (n0 + i) * row_bytes_of(6, K);
+                    for (int64_t b = 0; b < nb; b++)
+                        _mm256_store_si256((__m256i *)(wide + b * 512 + i * 32), block_bytes(wr + b * 24, 6, 1));
+                }
             for (int64_t g0 = 0; g0 < mg; g0++) {
                 __m512 acc[16];
                 for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
                 for (int64_t b = 0; b < nb; b++) {
-                    if (bits == 6) {
-                        const int64_t row_bytes = row_bytes_of(6, K);
-                        for (int r = 0; r < 16; r++)
-                            _mm256_store_si256((__m256i *)ab[r], block_bytes(w + (n0 + r) * row_bytes + b * 24, 6, 1));
-                        _tile_loadd(2, ab[0], 32);
-                        _tile_loadd(3, ab[0] + 16, 32);
+                    if (wide) {
+                        _tile_loadd(2, wide + b * 512, 32);
+                        _tile_loadd(3, wide + b * 512 + 16, 32);
                     } else {
                         _tile_loadd(2, w + n0 * K + b * QB, K);
                         _tile_loadd(3, w + n0 * K + b * QB + 16, K);
@@ -1444,6 +1448,7 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
             }
         }
         free(wsf);
+        free(wide);
         _tile_release();
     }
     if (tasks * 16 < N)
