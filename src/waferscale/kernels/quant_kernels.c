@@ -891,6 +891,30 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512F__)
+/* two consecutive int6 blocks (48 bytes at p) as 64 signed bytes: with VBMI, two byte permutes place the nibbles and
+ * the top bits' bytes, one 64-bit variable shift brings each quarter's bit pair down; else block_bytes twice */
+static inline __attribute__((always_inline)) __m512i blocks6_512(const uint8_t *p) {
+#if defined(__AVX512VBMI__)
+    static const uint8_t nib_at[64] __attribute__((aligned(64))) = {
+        0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 0,  1,  2,  3,  4,  5,  6,  7,  8,  9,
+        10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 24, 25, 26, 27,
+        28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39};
+    static const uint8_t top_at[64] __attribute__((aligned(64))) = {
+        16, 17, 18, 19, 20, 21, 22, 23, 16, 17, 18, 19, 20, 21, 22, 23, 16, 17, 18, 19, 20, 21, 22, 23, 16, 17,
+        18, 19, 20, 21, 22, 23, 40, 41, 42, 43, 44, 45, 46, 47, 40, 41, 42, 43, 44, 45, 46, 47, 40, 41, 42, 43,
+        44, 45, 46, 47, 40, 41, 42, 43, 44, 45, 46, 47};
+    const __m512i v = _mm512_maskz_loadu_epi8((__mmask64)0xFFFFFFFFFFFFULL, p); /* 48 bytes, no read past them */
+    __m512i n = _mm512_permutexvar_epi8(_mm512_load_si512((const void *)nib_at), v);
+    n = _mm512_and_si512(_mm512_mask_srli_epi16(n, (__mmask32)0xFF00FF00u, n, 4), _mm512_set1_epi8(0x0F));
+    __m512i h = _mm512_permutexvar_epi8(_mm512_load_si512((const void *)top_at), v);
+    h = _mm512_srlv_epi64(h, _mm512_set_epi64(6, 4, 2, 0, 6, 4, 2, 0));
+    h = _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(3)), 4);
+    return _mm512_sub_epi8(_mm512_or_si512(n, h), _mm512_set1_epi8(32));
+#else
+    return _mm512_inserti64x4(_mm512_castsi256_si512(block_bytes(p, 6, 1)), block_bytes(p + 24, 6, 1), 1);
+#endif
+}
+
 /* row_k with 64-byte steps (AVX-512BW): half the instructions a weight. A step's products take their scales by one
  * permute of the super-block's integer scales: int16 lane l of the step's pair sums gets scale first + l / span.
  * 4-bit: two pairs of blocks a step (x as quantize_rows_k's NIBBLES_512 lays it out); 8-bit: two 32-blocks or four
@@ -942,10 +966,8 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
             }
         } else {
             for (int c = 0; c < 4; c++) {
-                const __m512i wv =
-                    bits == 6 ? _mm512_inserti64x4(_mm512_castsi256_si512(block_bytes(wb + 48 * c, 6, sgn)),
-                                                   block_bytes(wb + 48 * c + 24, 6, sgn), 1)
-                              : _mm512_loadu_si512((const void *)(wb + 64 * c));
+                const __m512i wv = bits == 6 ? blocks6_512(wb + 48 * c) /* Q6_K: signed */
+                                             : _mm512_loadu_si512((const void *)(wb + 64 * c));
                 const __m512i wu = sgn ? _mm512_abs_epi8(wv) : wv;
                 const __mmask64 neg = sgn ? _mm512_movepi8_mask(wv) : 0;
                 const __m512i sc = _mm512_permutexvar_epi16(sidx[c], s16);
