@@ -797,17 +797,21 @@ static void quantize_rows_k(const void *x, int x_bf16, int64_t M, int64_t K, int
             const float id = amax > 0.f ? 127.f / amax : 0.f;
             xd[m * (K / KS) + s0 / KS] = amax / 127.f;
             for (int b = 0; b < KS / QB; b++) {
+                int8_t q[QB];
                 int32_t sum = 0;
                 for (int i = 0; i < QB; i++) {
-                    const int8_t q = (int8_t)lrintf(xm[b * QB + i] * id);
-                    /* nibbles: block b = 2p + h, value i at 64 p + 32 (i >= 16) + 16 h + i % 16; NIBBLES_512: at
-                     * 128 (p / 2) + 64 (i >= 16) + 32 (p % 2) + 16 h + i % 16 (two pairs a 64-byte load) */
-                    const int p = b / 2, h = b % 2, hi = i >= 16;
-                    const int at = nibbles == NIBBLES_512 ? 128 * (p / 2) + 64 * hi + 32 * (p % 2) + 16 * h + i % 16
-                                   : nibbles          ? 64 * p + 32 * hi + 16 * h + i % 16
-                                                      : b * QB + i;
-                    xq[m * K + s0 + at] = q;
-                    sum += q;
+                    q[i] = (int8_t)lrintf(xm[b * QB + i] * id);
+                    sum += q[i];
+                }
+                /* each half block (values i < 16, i >= 16) lies in 16 consecutive bytes. nibbles: block b = 2p + h,
+                 * value i at 64 p + 32 (i >= 16) + 16 h + i % 16; NIBBLES_512: at 128 (p / 2) + 64 (i >= 16) +
+                 * 32 (p % 2) + 16 h + i % 16 (two pairs a 64-byte load) */
+                for (int hi = 0; hi < 2; hi++) {
+                    const int p = b / 2, h = b % 2;
+                    const int at = nibbles == NIBBLES_512 ? 128 * (p / 2) + 64 * hi + 32 * (p % 2) + 16 * h
+                                   : nibbles          ? 64 * p + 32 * hi + 16 * h
+                                                      : b * QB + 16 * hi;
+                    memcpy(xq + m * K + s0 + at, q + 16 * hi, 16);
                 }
                 xb[m * (K / QB) + s0 / QB + b] = sum;
             }
