@@ -180,10 +180,9 @@ class ModelRegistry:
 
     @draining.setter
     def draining(self, value: bool) -> None:
-        """Shutting down: every model's context refuses new requests (503)."""
+        """Shutting down: new completions and chats are refused (503) before they take a lease (server.py); those
+        holding one are in flight and go on; the batch runner starts no new line."""
         self._draining = value
-        for e in self.loaded():
-            e.ctx.draining = value
 
     def healthy(self) -> bool:
         """Every loaded model's engine thread runs (a model that failed to load does not make the server
@@ -294,7 +293,6 @@ class ModelRegistry:
                 entry.error = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
                 log.error("model %s failed to load: %s", entry.spec.name, entry.error)
                 return
-            ctx.draining = self._draining
             await asyncio.to_thread(ctx.engine.start)  # its gc.collect and freeze off the event loop
             entry.ctx, entry.cost, entry.state = ctx, cost, "loaded"
             entry.loads += 1

@@ -46,7 +46,6 @@ class ServingContext:
     fault_injection: bool = False  # honour X-Waferscale-Fault-After (testing aid, off unless asked for)
     max_waiting: int | None = None  # sequences allowed to wait for admission; beyond it, 429
     rejected: int = 0  # requests turned away with 429
-    draining: bool = False  # shutting down: no new requests
     chat_template: object | None = None  # models.chat_template.ChatTemplate, built once at start
     collectors: list = field(default_factory=list)  # more prometheus collectors for /metrics (per-replica series)
 
@@ -67,13 +66,15 @@ def check_model(name: str, ctx: ServingContext) -> None:
         raise unknown_model(name, ctx.served_names)
 
 
+def shutting_down() -> APIError:
+    """The 503 of a request that arrives once the server has begun to shut down."""
+    return APIError(503, "the server is shutting down; retry against another instance", code="shutting_down")
+
+
 def check_capacity(num_sequences: int, ctx: ServingContext) -> None:
     """429 with Retry-After when the waiting queue is full (a request that alone exceeds it waits for an empty
-    queue, so it is never refused forever); 503 while shutting down."""
-    if ctx.draining:
-        raise APIError(
-            503, "the server is shutting down; retry against another instance", code="shutting_down"
-        )
+    queue, so it is never refused forever). A server shutting down refuses new requests before this, before they
+    take their model's lease (server.py): a request that holds one is in flight and gets the grace period."""
     if ctx.max_waiting is None:
         return
     waiting = ctx.engine.num_waiting()

@@ -38,7 +38,7 @@ from waferscale.api.errors import FLAT_PATHS, APIError, install_handlers
 from waferscale.api.keys import KeyFileError
 from waferscale.api.metrics import CONTENT_TYPE, ModelsCollector, UsageCollector, make_registry, render
 from waferscale.api.models_registry import ModelRegistry
-from waferscale.api.pipeline import Run, ServingContext, check_capacity
+from waferscale.api.pipeline import Run, ServingContext, check_capacity, shutting_down
 from waferscale.api.quota import RateLimitHeaders, reserve
 from waferscale.api.schemas import (
     CompletionRequest,
@@ -209,6 +209,8 @@ def create_app(
     async def completions(request: Request):
         obj = await read_body(request)
         req = validate_request(obj)
+        if models.draining:  # shutting down: no new requests (those holding a lease are in flight)
+            raise shutting_down()
         async with models.lease(req.model) as lease:  # the engine of the request's model, loaded
             ctx = lease.ctx
             plan = await run_in_threadpool(plan_request, req, ctx)  # tokenization stays off the event loop
@@ -231,6 +233,8 @@ def create_app(
     async def chat_completions(request: Request):
         obj = await read_body(request)
         req = validate_chat_request(obj)
+        if models.draining:  # shutting down: no new requests (those holding a lease are in flight)
+            raise shutting_down()
         async with models.lease(req.model) as lease:  # the engine of the request's model, loaded
             ctx = lease.ctx
             plan = await run_in_threadpool(plan_chat, req, ctx)  # templating and tokenization off the event loop
