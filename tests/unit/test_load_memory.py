@@ -48,14 +48,19 @@ def test_read_tensors_gives_the_values_and_leaves_nothing_of_the_file_mapped(tmp
     assert str(path) not in open("/proc/self/maps").read()
 
 
-def test_a_file_written_a_tensor_at_a_time_reads_back_with_safetensors(tmp_path):
-    path = tmp_path / "w.safetensors"
+def _write_and_read_back(folder: Path) -> None:
+    """_tensors() written a tensor at a time, read back by safetensors itself, and nothing else left in folder."""
+    path = folder / "w.safetensors"
     with SafetensorsWriter(path) as out:
         for name, t in _tensors().items():
             out.add(name, t)
     got = load_file(str(path))
     assert all(torch.equal(got[k], v) for k, v in _tensors().items())
-    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]  # the partial file is renamed
+    assert [p.name for p in folder.iterdir()] == ["w.safetensors"]  # the partial file is renamed
+
+
+def test_a_file_written_a_tensor_at_a_time_reads_back_with_safetensors(tmp_path):
+    _write_and_read_back(tmp_path)
 
 
 def test_a_header_larger_than_its_room_moves_the_data_up_in_place(tmp_path, monkeypatch):
@@ -63,13 +68,7 @@ def test_a_header_larger_than_its_room_moves_the_data_up_in_place(tmp_path, monk
     conversion never needs twice its size on disk), in chunks smaller than the data here."""
     monkeypatch.setattr(SafetensorsWriter, "ROOM", 16)
     monkeypatch.setattr("waferscale.models.safetensors_stream._CHUNK", 5)
-    path = tmp_path / "w.safetensors"
-    with SafetensorsWriter(path) as out:
-        for name, t in _tensors().items():
-            out.add(name, t)
-    got = load_file(str(path))
-    assert all(torch.equal(got[k], v) for k, v in _tensors().items())
-    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+    _write_and_read_back(tmp_path)
 
 
 def _load_experts(tensors: dict) -> list[Linear]:

@@ -9,6 +9,7 @@ Format: https://github.com/huggingface/safetensors (8-byte header length, JSON h
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -38,17 +39,20 @@ HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 HUGE_MIN = 16 << 20  # tensors from this size get huge pages: fewer TLB misses when a token streams through them
 
 
-def _madvise_huge(addr: int, length: int) -> bool:
-    """Ask Linux for transparent huge pages (MADV_HUGEPAGE) on [addr, addr + length); False where it declines."""
+@functools.cache
+def _libc():
+    """The C library, for madvise."""
     import ctypes
     import ctypes.util
 
-    libc = _madvise_huge.__dict__.get("libc")
-    if libc is None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _madvise_huge.libc = libc
-    return libc.madvise(addr, length, 14) == 0  # 14: MADV_HUGEPAGE
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def _madvise_huge(addr: int, length: int) -> bool:
+    """Ask Linux for transparent huge pages (MADV_HUGEPAGE) on [addr, addr + length); False where it declines."""
+    return _libc().madvise(addr, length, 14) == 0  # 14: MADV_HUGEPAGE
 
 
 def empty_weight(shape: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -64,20 +64,19 @@ class QuantWeight:
         """q as int32 [N, K]."""
         if self.bits == 8:
             return self.qweight.view(torch.int8 if self.signed else torch.uint8).to(torch.int32)
-        if self.bits == 5:  # per block: 16 bytes of nibbles as bits 4 holds them, then a uint32 of fifth bits
-            blocks = self.qweight.view(torch.uint8).view(self.out_features, -1, 20).to(torch.int32)
-            nib, hi = blocks[..., :16], blocks[..., 16:]
-            fifth = (hi.unsqueeze(-1) >> torch.arange(8)) & 1  # [N, blocks, 4, 8]: bit j of the uint32
-            q = torch.cat([nib & 15, nib >> 4], dim=-1) | (fifth.flatten(-2) << 4)
-            return (q - 16 if self.signed else q).view(self.out_features, -1)
-        if self.bits == 6:  # per block: 16 bytes of nibbles, then 8 bytes: byte i holds weights i + 8 t's top bits at 2 t
-            blocks = self.qweight.view(torch.uint8).view(self.out_features, -1, 24).to(torch.int32)
-            nib, hi = blocks[..., :16], blocks[..., 16:]
-            top = (hi.unsqueeze(-2) >> (2 * torch.arange(4)).unsqueeze(-1)) & 3  # [N, blocks, 4 (t), 8 (i)]
-            q = torch.cat([nib & 15, nib >> 4], dim=-1) | (top.flatten(-2) << 4)
-            return (q - 32 if self.signed else q).view(self.out_features, -1)
-        q = self.qweight.view(torch.uint8).view(self.out_features, -1, 16).to(torch.int32)
-        return torch.cat([q & 15, q >> 4], dim=-1).view(self.out_features, -1)
+        # per 32-weight block: 16 bytes of nibbles (weight j low, j + 16 high), then for bits 5 a uint32 whose bit j
+        # is weight j's fifth, for bits 6 8 bytes, byte i holding weight i + 8 t's top two bits at bit 2 t
+        blocks = self.qweight.view(torch.uint8).view(self.out_features, -1, {4: 16, 5: 20, 6: 24}[self.bits])
+        blocks = blocks.to(torch.int32)
+        nib, hi = blocks[..., :16], blocks[..., 16:]
+        q = torch.cat([nib & 15, nib >> 4], dim=-1)
+        if self.bits == 5:
+            q = q | ((((hi.unsqueeze(-1) >> torch.arange(8)) & 1).flatten(-2)) << 4)  # [N, blocks, 4 bytes x 8]
+        if self.bits == 6:
+            q = q | ((((hi.unsqueeze(-2) >> (2 * torch.arange(4)).unsqueeze(-1)) & 3).flatten(-2)) << 4)  # [.., 4 t, 8 i]
+        if self.signed and self.bits != 4:
+            q = q - (16 if self.bits == 5 else 32)
+        return q.view(self.out_features, -1)
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """float32 [n, K] of the chosen rows, scale * q + min (in PyTorch: the reference the kernels are tested on)."""
