@@ -242,7 +242,7 @@ def main() -> None:
                     }
                     if args.int8:
                         fns["int8"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act=1))
-                    if w.sup is not None or kind == "q8":  # the default: int8 activations below 16 or 12 rows
+                    if w.sup is not None or kind in ("q8", "q4"):  # the default (q4: AMX bf16 tiles where there are)
                         fns["auto"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act=2))
                     if flats:
                         fns["flat"] = rotating(flats, lambda q, x=x, out=out: native.qgemm(x, q, out))

@@ -110,6 +110,8 @@ PANEL_ROWS = 6
 # auto rounds activations to int8 below these batch sizes (INT8_ROWS_K for two-level layouts, INT8_ROWS_Q8 for
 # 8-bit blocks), and takes the float32 paths from them on
 INT8_ROWS_K, INT8_ROWS_Q8 = 16, 12
+# where the CPU has AMX, auto takes the int8 tiles from these batch sizes instead (quant_kernels.c's AMX_ROWS_*)
+AMX_ROWS_K, AMX_ROWS_Q8 = 6, 3
 
 
 # qgemm's activation modes (quant.ACTIVATION_MODES)
@@ -123,15 +125,15 @@ def _eight_bit(w: QuantWeight) -> bool:
 
 
 def _amx_rows(w: QuantWeight, act: int, rows: int, amx: bool) -> bool:
-    """Whether auto multiplies this batch by AMX tiles where the CPU has AMX: 8-bit blocks from INT8_ROWS_Q8 rows,
-    the two-level layouts (Q4_K, Q5_K, Q6_K) from INT8_ROWS_K; int8 activations per 32."""
+    """Whether auto multiplies this batch by AMX tiles where the CPU has AMX: 8-bit blocks from AMX_ROWS_Q8 rows,
+    the two-level layouts (Q4_K, Q5_K, Q6_K) from AMX_ROWS_K; int8 activations per 32."""
     if not (amx and act == AUTO):
         return False
     if _eight_bit(w):
-        return rows >= INT8_ROWS_Q8
+        return rows >= AMX_ROWS_Q8
     two_level_32 = w.group == 32 and not w.signed  # Q4_K, Q5_K
     q6k = w.group == 16 and w.signed and w.bits in (8, 6) and w.mins is None
-    return w.scale_format == 2 and (two_level_32 or q6k) and rows >= INT8_ROWS_K
+    return w.scale_format == 2 and (two_level_32 or q6k) and rows >= AMX_ROWS_K
 
 
 def _int8_block(w: QuantWeight, act: int, rows: int, amx: bool = False) -> int | None:
@@ -163,7 +165,7 @@ def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
             lib.qgemm(x[-1:].contiguous(), w, one, act=act)
             alone_same_path = _int8_block(w, act, 1) == block  # auto: 17 rows are float32, 1 is int8
             if _amx_rows(w, act, rows, amx):  # the tiles: the fewest rows that take them too
-                fewest = INT8_ROWS_Q8 if _eight_bit(w) else INT8_ROWS_K
+                fewest = AMX_ROWS_Q8 if _eight_bit(w) else AMX_ROWS_K
                 part = torch.empty(fewest, w.out_features)
                 lib.qgemm(x[-fewest:].contiguous(), w, part, act=act)
                 assert torch.equal(part[-1], y[-1])
@@ -230,7 +232,7 @@ def test_packed_5_and_6_bit_blocks_give_what_the_same_values_as_bytes_give(kind,
 @needs_native
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_amx_tiles_give_each_row_the_integer_sums(kind):
-    """Where the CPU has AMX, auto multiplies 8-bit blocks from 12 rows, and Q4_K, Q5_K and Q6_K from 16, by tiles: 33
+    """Where the CPU has AMX, auto multiplies 8-bit blocks from 3 rows, and Q4_K, Q5_K and Q6_K from 6, by tiles: 33
     rows (two tile groups and a part) against 100 weight rows (three 32-row tasks and 4 rows past them) give each
     row, bias included, the products of its int8 activations (per 32) with the weights as the int8 mode sums them,
     within float32 rounding; 8-bit blocks, the sums the row alone gets (the same products, added in another order);
@@ -255,6 +257,33 @@ def test_amx_tiles_give_each_row_the_integer_sums(kind):
         one = torch.empty(1, n)
         native.qgemm(x[r : r + 1].contiguous(), w, one, bias=bias, act=AUTO)
         assert ((one[0] - y[r]).norm() / one[0].norm()) < 1e-5, r
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    native.qgemm(x, w, out, bias=bias, residual=residual, act=AUTO)
+    assert torch.equal(out, residual + y.bfloat16())
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1"])
+def test_amx_bf16_tiles_give_one_level_blocks_their_float_sums(kind):
+    """Where the CPU has AMX, auto multiplies Q4_0, Q4_1 and Q5_1 (whose int8 activations cost accuracy) from 4 bf16
+    rows by bf16 tiles, q and x exact in bf16: 33 rows against 100 weight rows (three 32-row tasks and 4 rows past
+    them) give the float64 reference's sums within float32 rounding; each row the same bits in a batch of 4 as in the
+    batch of 33; bf16 out with a residual is those sums rounded as torch rounds them."""
+    if not native.set_amx(True):
+        pytest.skip("no AMX on this CPU (or the OS does not grant it)")
+    n, rows, k = 100, 33, 608
+    w = from_gguf(random_blocks(kind, n, k, seed=7), kind, n, k)
+    gen = torch.Generator().manual_seed(8)
+    x, bias = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+    residual = torch.randn(rows, n, generator=gen).bfloat16()
+    exact = x.double() @ w.dequantize().double().T + bias.double()
+    y = torch.empty(rows, n)
+    native.qgemm(x, w, y, bias=bias, act=AUTO)
+    assert ((y.double() - exact).norm() / exact.norm()) < 1e-5
+    for r0 in (0, 29):
+        four = torch.empty(4, n)
+        native.qgemm(x[r0 : r0 + 4].contiguous(), w, four, bias=bias, act=AUTO)
+        assert torch.equal(four, y[r0 : r0 + 4]), r0
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     native.qgemm(x, w, out, bias=bias, residual=residual, act=AUTO)
     assert torch.equal(out, residual + y.bfloat16())

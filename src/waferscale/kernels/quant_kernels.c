@@ -25,8 +25,9 @@
  *   auto (the default): below INT8_ROWS_K rows (16) the two-level layouts (K-quants, int4) with activations rounded
  *       to int8 per 256 and integer sums over each super-block (gemm_k), and below INT8_ROWS_Q8 (12) 8-bit blocks
  *       (Q8_0, Q5_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp multiplies them; on CPUs with AMX,
- *       from those sizes on, 8-bit blocks and the two-level layouts (Q4_K, Q5_K, Q6_K) with activations per 32 by
- *       tiles (gemm_amx, gemm_amx16); float32 for everything else (Q4_0, Q4_1, larger batches).
+ *       from a few rows (AMX_ROWS_Q8, AMX_ROWS_K), 8-bit blocks and the two-level layouts (Q4_K, Q5_K, Q6_K) with
+ *       activations per 32 by int8 tiles (gemm_amx, gemm_amx16), and from AMX_BF16Q_ROWS bf16 rows Q4_0, Q4_1 and
+ *       Q5_1 by bf16 tiles (gemm_amx_bf16q); float32 for everything else.
  * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
  */
 #include <math.h>
@@ -1151,6 +1152,11 @@ static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
  * input rows] int32, then scaled (weight scale x row scale, plus min x the rows' sums over the block) into float32
  * sums, block by block (another order of the float32 adds than the row paths'). Weight rows past the last multiple
  * of 32 go through amx_tail. */
+/* the batch sizes from which the tiles beat the row kernels (gemm_q8, gemm_k), measured on Gemma 3 270M's shapes:
+ * 8-bit blocks from 3 rows (its 262k-row Q8_0 head: 9 rows 20.8 -> 8.9 ms), the two-level layouts from 6 (Q6_K
+ * gains from 6, Q4_K breaks even at 7-8) */
+#define AMX_ROWS_Q8 3
+#define AMX_ROWS_K 6
 static int amx_state = -1; /* -1 not asked yet, 0 unavailable or off, 1 on */
 
 static int amx_on(void) {
@@ -1165,13 +1171,13 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
-/* what the tiles serve under auto, from the batch sizes where the other integer paths stop: 8-bit blocks without
- * mins (Q8_0, Q5_0, int8) from INT8_ROWS_Q8 rows; the two-level layouts (Q4_K, Q5_K, int4 where K allows, and Q6_K's
- * groups of 16 in gemm_amx16) from INT8_ROWS_K, activations per 32 (finer than gemm_k's per 256). The one-level 4-bit
- * blocks (Q4_0, Q4_1, whose int8 activations cost accuracy) keep the float32 panels. */
+/* what the int8 tiles serve under auto: 8-bit blocks without mins (Q8_0, Q5_0, int8) from AMX_ROWS_Q8 rows; the
+ * two-level layouts (Q4_K, Q5_K, int4 where K allows, and Q6_K's groups of 16 in gemm_amx16) from AMX_ROWS_K,
+ * activations per 32 (finer than gemm_k's per 256). The one-level blocks whose int8 activations cost accuracy (Q4_0,
+ * Q4_1, Q5_1) take the bf16 tiles (gemm_amx_bf16q) for bf16 rows, else the float32 paths. */
 static int gemm_amx_serves(int64_t M, int bits, int sgn, int64_t G, int sfmt, const void *mins) {
-    if (gemm_q8_serves(bits, sgn, G, sfmt, mins)) return M >= INT8_ROWS_Q8;
-    if (M < INT8_ROWS_K || sfmt != SC_TWO_LEVEL) return 0;
+    if (gemm_q8_serves(bits, sgn, G, sfmt, mins)) return M >= AMX_ROWS_Q8;
+    if (M < AMX_ROWS_K || sfmt != SC_TWO_LEVEL) return 0;
     return (G == QB && !sgn && (bits == 4 || bits == 8)) || (G == 16 && sgn && (bits == 8 || bits == 6) && !mins);
 }
 
@@ -1483,6 +1489,157 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
     amx_inputs_free(&in);
 }
 
+#if defined(__AMX_BF16__)
+#define WQ_AMX_BF16 1
+#define AMX_BF16Q_ROWS 4 /* measured (135M shapes): even at 2-3 rows, 1.1-2x faster from 4, 2-3x at 64-256 */
+/* The one-level blocks whose int8 activations cost accuracy (Q4_0, Q4_1, Q5_1: unsigned q of 4 or 5 bits, a scale
+ * per 32-multiple group, mins where the layout has them) for bf16 input rows at any batch size: q and x are exact in
+ * bf16, so each block's sum of q x comes from the tile unit's bf16 products (float32 sums), then scaled: scale x sum
+ * plus min x the row's sum over the block, block by block. A = 16 weight rows x a block's 32 q as bf16 (through a
+ * 32-entry table), B = 16 input rows' block in pairs (made once per call), C [16 weight rows][16 input rows]. Each
+ * output is the same in any batch (the tile unit sums a column on its own); weight rows past a multiple of 32 in
+ * plain C. */
+static int gemm_amx_bf16q_serves(int x_bf16, int bits, int sgn, int64_t G, int sfmt) {
+    return x_bf16 && !sgn && (bits == 4 || bits == 5) && G % QB == 0 && sfmt != SC_TWO_LEVEL;
+}
+
+static void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const int bits, int64_t G,
+                          const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
+                          int out_bf16, int64_t ldo, int64_t N) {
+    const int64_t nb = K / QB, ng = K / G, mg = (M + 15) / 16, tasks = N / 32, row_bytes = row_bytes_of(bits, K);
+    const int gshift = G == 32 ? 0 : G == 64 ? 1 : G == 128 ? 2 : 3; /* block b's group: b >> gshift */
+    /* B tiles [mg][nb][16 pairs][16 rows x 2] bf16, and each input row's float32 sum over each block [mg][nb][16] */
+    uint16_t *bt = (uint16_t *)aligned_alloc(64, (size_t)(mg * nb * 512) * sizeof(uint16_t));
+    float *xgt = (float *)calloc((size_t)(mg * nb * 16), sizeof(float));
+    memset(bt, 0, (size_t)(mg * nb * 512) * sizeof(uint16_t));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint16_t *tile = bt + ((m / 16) * nb + b) * 512;
+            const uint16_t *src = x + m * K + b * QB;
+            float t = 0.f;
+            for (int k = 0; k < QB; k++) {
+                tile[(k / 2) * 32 + (m % 16) * 2 + k % 2] = src[k];
+                t += bf16_f32(src[k]);
+            }
+            xgt[((m / 16) * nb + b) * 16 + m % 16] = t;
+        }
+    uint16_t table[32] __attribute__((aligned(64))); /* q -> bf16 */
+    for (int q = 0; q < 32; q++) table[q] = f32_bf16((float)q);
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 4; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* C: 16 weight rows x 16 float32 */
+    for (int i = 4; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* A: 16 x 32 bf16; B: 16 pairs x 16 x 2 */
+#pragma omp parallel
+    {
+        _tile_loadconfig(&cfg);
+        float c[4][16][16] __attribute__((aligned(64)));
+        float *wsf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] the task's scales per block */
+        float *wmf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] and mins */
+        uint16_t ab[2][16][32] __attribute__((aligned(64)));                /* A: q as bf16 */
+        const __m512i tab = _mm512_load_si512((const void *)table);
+        __m512 acc[2][32];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t n0 = 32 * t;
+            for (int i = 0; i < 32; i++) {
+                const sc_t sr = sc_row(*ws, n0 + i, ng);
+                for (int64_t b = 0; b < nb; b++) wsf[b * 32 + i] = sc_at(&sr, b >> gshift);
+                if (wm) {
+                    const sc_t mr = sc_row(*wm, n0 + i, ng);
+                    for (int64_t b = 0; b < nb; b++) wmf[b * 32 + i] = sc_at(&mr, b >> gshift);
+                }
+            }
+            const char *next = (const char *)(w + (n0 + 32) * row_bytes);
+            const int64_t lines = t + 1 < tasks ? 32 * row_bytes / 64 : 0, per = (lines + nb - 1) / nb;
+            for (int64_t g0 = 0; g0 < mg; g0 += 2) {
+                const int two = g0 + 1 < mg;
+                for (int gi = 0; gi < 2; gi++)
+                    for (int i = 0; i < 32; i++) acc[gi][i] = _mm512_setzero_ps();
+                for (int64_t b = 0; b < nb; b++) {
+                    if (g0 == 0)
+                        for (int64_t l = b * per; l < (b + 1) * per && l < lines; l++)
+                            _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+                    for (int r = 0; r < 32; r++) {
+                        const uint8_t *blk = w + (n0 + r) * row_bytes + b * BLOCK_BYTES(bits);
+                        __m256i q;
+                        if (bits == 4) { /* byte j: weight j in its low nibble, weight j + 16 in its high one */
+                            const __m128i v = _mm_loadu_si128((const __m128i *)blk);
+                            q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)),
+                                                 _mm_and_si128(v, _mm_set1_epi8(0x0F)));
+                        } else
+                            q = block_bytes(blk, 5, 0);
+                        _mm512_store_si512((void *)ab[r / 16][r % 16],
+                                           _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), tab));
+                    }
+                    _tile_loadd(4, ab[0], 64);
+                    _tile_loadd(5, ab[1], 64);
+                    _tile_loadd(6, bt + (g0 * nb + b) * 512, 64);
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 5, 6);
+                    if (two) {
+                        _tile_loadd(7, bt + ((g0 + 1) * nb + b) * 512, 64);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    if (two) {
+                        _tile_stored(2, c[2], 64);
+                        _tile_stored(3, c[3], 64);
+                    }
+                    const float *wb = wsf + b * 32, *mb = wmf + b * 32;
+                    for (int gi = 0; gi < 1 + two; gi++) {
+                        if (wm) { /* the mins meet the rows' sums over the block */
+                            const __m512 xgv = _mm512_loadu_ps(xgt + ((g0 + gi) * nb + b) * 16);
+#pragma GCC unroll 32
+                            for (int i = 0; i < 32; i++)
+                                acc[gi][i] = _mm512_fmadd_ps(_mm512_set1_ps(mb[i]), xgv, acc[gi][i]);
+                        }
+                        for (int h = 0; h < 2; h++) { /* tile 2 gi + h: weight rows 16 h .. 16 h + 15 */
+                            __m512 *a = acc[gi] + 16 * h;
+                            const float *wh = wb + 16 * h;
+#pragma GCC unroll 16
+                            for (int i = 0; i < 16; i++)
+                                a[i] = _mm512_fmadd_ps(_mm512_load_ps(c[2 * gi + h][i]), _mm512_set1_ps(wh[i]), a[i]);
+                        }
+                    }
+                }
+                for (int gi = 0; gi < 1 + two; gi++) {
+                    const int64_t m0 = 16 * (g0 + gi), rows = M - m0 < 16 ? M - m0 : 16;
+                    amx_store(acc[gi], 32, rows, m0, n0, bias, res, out, out_bf16, ldo);
+                }
+            }
+        }
+        free(wsf);
+        free(wmf);
+        _tile_release();
+    }
+    /* weight rows past the last whole task: the same sums in plain C (the same for a row in any batch) */
+    for (int64_t n = tasks * 32; n < N; n++) {
+        const uint8_t *wn = w + n * row_bytes;
+        const sc_t sr = sc_row(*ws, n, ng), mr = wm ? sc_row(*wm, n, ng) : sr;
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                float dot = 0.f;
+                for (int i = 0; i < QB; i++)
+                    dot += (float)block_q(wn + b * BLOCK_BYTES(bits), bits, 0, i) * bf16_f32(x[m * K + b * QB + i]);
+                acc += dot * sc_at(&sr, b >> gshift);
+                if (wm) acc += sc_at(&mr, b >> gshift) * xgt[((m / 16) * nb + b) * 16 + m % 16];
+            }
+            put(acc, m, n, bias, res, out, out_bf16, ldo);
+        }
+    }
+    free(bt);
+    free(xgt);
+}
+#endif
+
 #endif
 #endif
 
@@ -1539,6 +1696,13 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
     const sc_t sc = sc_of(scales_v, sup, sfmt, sgn, G), mn = sc_of(mins_v, supm, sfmt, 0, G);
     const sc_t *scales = &sc, *mins = sc_some(&mn) ? &mn : NULL;
 #ifdef WQ_AVX2
+#ifdef WQ_AMX
+    if (act == ACT_AUTO && gemm_amx_serves(M, bits, sgn, G, sfmt, mins_v) && amx_on()) {
+        if (G == 16) gemm_amx16(x, x_bf16, M, K, w, bits, scales, bias, res, out, out_bf16, ldo, N);
+        else gemm_amx(x, x_bf16, M, K, w, bits, sgn, scales, mins, bias, res, out, out_bf16, ldo, N, NULL);
+        return;
+    }
+#endif
     if (act == ACT_AUTO && M < INT8_ROWS_K && gemm_k_serves(bits, sgn, G, sfmt, K)) {
         gemm_k(x, x_bf16, M, K, w, bits, sgn, G, scales, &mn, bias, res, out, out_bf16, ldo, N);
         return;
@@ -1547,10 +1711,9 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         gemm_q8(x, x_bf16, M, K, w, bits, scales, bias, res, out, out_bf16, ldo, N);
         return;
     }
-#ifdef WQ_AMX
-    if (act == ACT_AUTO && gemm_amx_serves(M, bits, sgn, G, sfmt, mins_v) && amx_on()) {
-        if (G == 16) gemm_amx16(x, x_bf16, M, K, w, bits, scales, bias, res, out, out_bf16, ldo, N);
-        else gemm_amx(x, x_bf16, M, K, w, bits, sgn, scales, mins, bias, res, out, out_bf16, ldo, N, NULL);
+#ifdef WQ_AMX_BF16
+    if (act == ACT_AUTO && M >= AMX_BF16Q_ROWS && gemm_amx_bf16q_serves(x_bf16, bits, sgn, G, sfmt) && amx_on()) {
+        gemm_amx_bf16q((const uint16_t *)x, M, K, w, bits, G, scales, mins, bias, res, out, out_bf16, ldo, N);
         return;
     }
 #endif
