@@ -2,7 +2,7 @@
 peak RSS, and each single-stream figure beside its memory-bandwidth bound.
 
 Usage: .venv/bin/python scripts/bench_quant.py [--model-1b DIR] [--model-8b DIR] [--gguf FILE|gemma-3-270m ...]
-       [--servers a,b,...] [--quick] [--skip-llamacpp] [--cache-dir DIR] [--scenarios single,c32]
+       [--servers a,b,...] [--quick] [--skip-llamacpp] [--cache-dir DIR] [--scenarios single,c8,c32]
 
 --model-1b / --model-8b: Hugging Face folders of random Llama-shaped models (make them with the shared
 make_random_model.py --preset 1b|8b --tokenizer .../tokenizer.json OUT). The built-in model is always measured.
@@ -30,10 +30,12 @@ from waferscale.models import builtin_model_path  # noqa: E402
 KV_BYTES = 512 << 20
 SCENARIOS = {
     "single": base.Scenario("single", 1, 3, 32, 64),
+    "c8": base.Scenario("c8", 8, 16, 128, 64),
     "c32": base.Scenario("c32", 32, 64, 128, 64),
 }
 QUICK = {
     "single": base.Scenario("single", 1, 1, 32, 16),
+    "c8": base.Scenario("c8", 8, 8, 32, 8),
     "c32": base.Scenario("c32", 32, 32, 32, 8),
 }
 # bytes a weight in each served layout (ours: Q8_0, Q4_0, Q4_1: a float16 scale, and min where the format has one,
@@ -134,7 +136,7 @@ def plan(args, cache: Path) -> list[tuple[str, base.Server, int]]:
     llama_ctx = KV_BYTES // (32 * 1024)  # llama.cpp's f16 KV for the 1B shape: 32 KiB a token, same budget
 
     def wsrv(
-        key: str, label: str, model: Path | None, q: str, scenarios=("single", "c32"), kv: int = KV_BYTES
+        key: str, label: str, model: Path | None, q: str, scenarios=("single", "c8", "c32"), kv: int = KV_BYTES
     ) -> base.Server:
         argv = [ws, "serve", "--served-model-name", base.MODEL_NAME, "--kv-cache-memory", str(kv)]
         argv += ["--quantization", q] + (["--model", str(model)] if model else []) + args.ws_arg
@@ -153,7 +155,7 @@ def plan(args, cache: Path) -> list[tuple[str, base.Server, int]]:
             "32",
         ]
         argv += ["-cb", "-fa", "on", "-c", str(ctx), "-no-kvu", "--alias", base.MODEL_NAME]
-        return base.Server(key, label, argv, base.llama_fields, ("single", "c32"))
+        return base.Server(key, label, argv, base.llama_fields, ("single", "c8", "c32"))
 
     builtin = builtin_model_path()
     out = [
@@ -240,7 +242,7 @@ def main() -> None:
     )
     ap.add_argument("--servers", help="comma-separated keys of the configurations to run (default: all)")
     ap.add_argument("--quick", action="store_true", help="tiny counts: a smoke test")
-    ap.add_argument("--scenarios", default="single,c32", help="which of single,c32 to run (default: both)")
+    ap.add_argument("--scenarios", default="single,c32", help="which of single,c8,c32 to run (default: single,c32)")
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument(
         "--ws-arg",
@@ -283,7 +285,8 @@ def main() -> None:
             results[server.key].append(r)
             f = base.figures(r, None)
             print(
-                f"  {model} {server.label}: single {base.fmt(f['single_tok_s'])} tok/s, c=32 "
+                f"  {model} {server.label}: single {base.fmt(f['single_tok_s'])} tok/s, c=8 "
+                f"{base.fmt(f['c8_tok_s'])} tok/s, c=32 "
                 f"{base.fmt(f['c32_tok_s'])} tok/s, peak RSS {base.fmt((peak_rss(r) or 0) / 2**20, 0)} MiB",
                 file=sys.stderr,
                 flush=True,
@@ -291,14 +294,14 @@ def main() -> None:
     rows = [(model, server, nbytes, results[server.key]) for model, server, nbytes in runs]
     per_round = args.rounds > 1
     print(
-        "| model | server | single tok/s | bound tok/s (bytes/token) | % of bound | c=32 tok/s | peak RSS MiB "
+        "| model | server | single tok/s | bound tok/s (bytes/token) | % of bound | c=8 tok/s | c=32 tok/s | peak RSS MiB "
         "| other cores |" + (" single, each round |" if per_round else "")
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|" + ("---|" if per_round else ""))
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if per_round else ""))
     dump = []
     for model, server, nbytes, rs in rows:
         if not rs:
-            print(f"| {model} | {server.label} | failed | | | | | |" + (" |" if per_round else ""))
+            print(f"| {model} | {server.label} | failed | | | | | | |" + (" |" if per_round else ""))
             continue
         each = [base.figures(r, None) for r in rs]
         f = {k: median_of([e[k] for e in each]) for k in each[0]}  # medians over the rounds
@@ -312,6 +315,7 @@ def main() -> None:
             base.fmt(f["single_tok_s"]),
             f"{base.fmt(bound)} ({nbytes / 1e6:.0f} MB)" if bound else "—",
             base.fmt(pct, 0),
+            base.fmt(f["c8_tok_s"]),
             base.fmt(f["c32_tok_s"]),
             base.fmt(rss / 2**20 if rss else None, 0),
             f"{max(x['other_cores'] for x in rs):.2f}",
