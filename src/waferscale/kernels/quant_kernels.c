@@ -126,6 +126,22 @@ static inline float sc_at(const sc_t *s, int64_t g) {
     return s->sup[g >> s->shift] * (s->sgn ? (float)(int8_t)s->b[g] : (float)s->b[g]);
 }
 
+/* row n's ng scales as float32 into dst (float16 ones widened 16 at a time where the build has AVX-512) */
+static inline void row_scales(const sc_t *s, int64_t n, int64_t ng, float *dst) {
+    const sc_t r = sc_row(*s, n, ng);
+    int64_t g = 0;
+#if defined(__AVX512F__) && !defined(WS_PORTABLE)
+    if (r.h)
+        for (; g + 16 <= ng; g += 16)
+            _mm512_storeu_ps(dst + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r.h + g))));
+#endif
+    if (r.b && !r.e && !r.f && !r.h) {
+        for (; g < ng; g++) dst[g] = r.sup[g >> r.shift] * (r.sgn ? (float)(int8_t)r.b[g] : (float)r.b[g]);
+        return;
+    }
+    for (; g < ng; g++) dst[g] = sc_at(&r, g);
+}
+
 /* bytes a 32-weight block takes in a row of a layout (bits 8, 6, 5 or 4), and a row of K weights */
 #define BLOCK_BYTES(bits) ((bits) == 8 ? 32 : (bits) == 6 ? 24 : (bits) == 5 ? 20 : 16)
 static inline int64_t row_bytes_of(int bits, int64_t K) { return K / QB * BLOCK_BYTES(bits); }
@@ -1298,21 +1314,17 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     {
         _tile_loadconfig(&cfg);
         int32_t c[4][16][16] __attribute__((aligned(64)));
-        float *wsf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] the task's weight scales */
-        float *wmf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] and mins */
+        float *wsf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [32][nb] the task's weight scales */
+        float *wmf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [32][nb] and mins */
         uint8_t ab[2][16][32] __attribute__((aligned(64)));                 /* 4-bit blocks widened to bytes */
         const __m128i tab = table ? _mm_loadu_si128((const __m128i *)table) : _mm_setzero_si128();
         __m512 acc[2][32];
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 32 * t;
-            for (int i = 0; i < 32; i++) {
-                const sc_t sr = sc_row(*ws, n0 + i, nb);
-                for (int64_t b = 0; b < nb; b++) wsf[b * 32 + i] = sc_at(&sr, b);
-                if (wm) {
-                    const sc_t mr = sc_row(*wm, n0 + i, nb);
-                    for (int64_t b = 0; b < nb; b++) wmf[b * 32 + i] = sc_at(&mr, b);
-                }
+            for (int i = 0; i < 32; i++) { /* [32][nb]: row i's scales (and mins) per block */
+                row_scales(ws, n0 + i, nb, wsf + i * nb);
+                if (wm) row_scales(wm, n0 + i, nb, wmf + i * nb);
             }
             /* the next task's rows (contiguous) are asked for ahead, spread over this one's blocks: the tile loads
              * walk 32 rows at once, which the hardware prefetchers follow poorly */
@@ -1330,18 +1342,25 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                         _tile_loadd(4, w + n0 * K + b * QB, K);
                         _tile_loadd(5, w + (n0 + 16) * K + b * QB, K);
                     } else if (bits == 5) { /* widened to bytes */
-                        for (int r = 0; r < 32; r++)
-                            _mm256_store_si256((__m256i *)ab[r / 16][r % 16],
-                                               block_bytes(w + (n0 + r) * row_bytes + b * 20, 5, sgn));
+                        for (int h = 0; h < 2; h++) {
+                            const uint8_t *blk = w + (n0 + 16 * h) * row_bytes + b * 20;
+#pragma GCC unroll 16
+                            for (int r = 0; r < 16; r++, blk += row_bytes)
+                                _mm256_store_si256((__m256i *)ab[h][r], block_bytes(blk, 5, sgn));
+                        }
                         _tile_loadd(4, ab[0], 32);
                         _tile_loadd(5, ab[1], 32);
                     } else { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
-                        for (int r = 0; r < 32; r++) {
-                            const __m128i v = _mm_loadu_si128((const __m128i *)(w + (n0 + r) * row_bytes + b * 16));
-                            __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
-                            __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
-                            if (table) lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi);
-                            _mm256_store_si256((__m256i *)ab[r / 16][r % 16], _mm256_set_m128i(hi, lo));
+                        for (int h = 0; h < 2; h++) {
+                            const uint8_t *blk = w + (n0 + 16 * h) * row_bytes + b * 16;
+#pragma GCC unroll 16
+                            for (int r = 0; r < 16; r++, blk += row_bytes) {
+                                const __m128i v = _mm_loadu_si128((const __m128i *)blk);
+                                __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+                                __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+                                if (table) lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi);
+                                _mm256_store_si256((__m256i *)ab[h][r], _mm256_set_m128i(hi, lo));
+                            }
                         }
                         _tile_loadd(4, ab[0], 32);
                         _tile_loadd(5, ab[1], 32);
@@ -1374,23 +1393,23 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                         _tile_stored(2, c[2], 64);
                         _tile_stored(3, c[3], 64);
                     }
-                    const float *wb = wsf + b * 32, *mb = wmf + b * 32;
+                    const float *wb = wsf + b, *mb = wmf + b; /* row i's: wb[i * nb], mb[i * nb] */
                     for (int gi = 0; gi < 1 + two; gi++) {
                         const __m512 xsv = _mm512_loadu_ps(xst + ((g0 + gi) * nb + b) * 16);
                         if (wm) { /* the mins meet the rows' sums over the block */
                             const __m512 xgv = _mm512_loadu_ps(xgt + ((g0 + gi) * nb + b) * 16);
 #pragma GCC unroll 32
                             for (int i = 0; i < 32; i++)
-                                acc[gi][i] = _mm512_fmadd_ps(_mm512_set1_ps(mb[i]), xgv, acc[gi][i]);
+                                acc[gi][i] = _mm512_fmadd_ps(_mm512_set1_ps(mb[i * nb]), xgv, acc[gi][i]);
                         }
                         for (int h = 0; h < 2; h++) { /* tile 2 gi + h: weight rows 16 h .. 16 h + 15 */
                             const int32_t(*ct)[16] = c[2 * gi + h];
                             __m512 *a = acc[gi] + 16 * h;
-                            const float *wh = wb + 16 * h;
+                            const float *wh = wb + 16 * h * nb;
 #pragma GCC unroll 16
                             for (int i = 0; i < 16; i++) {
                                 const __m512 p = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)ct[i]));
-                                a[i] = _mm512_fmadd_ps(p, _mm512_mul_ps(_mm512_set1_ps(wh[i]), xsv), a[i]);
+                                a[i] = _mm512_fmadd_ps(p, _mm512_mul_ps(_mm512_set1_ps(wh[i * nb]), xsv), a[i]);
                             }
                         }
                     }
@@ -1534,21 +1553,17 @@ static void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_
     {
         _tile_loadconfig(&cfg);
         float c[4][16][16] __attribute__((aligned(64)));
-        float *wsf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] the task's scales per block */
-        float *wmf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [nb][32] and mins */
+        float *wsf = (float *)malloc((size_t)(ng * 32) * sizeof(float)); /* [32][ng] the task's scales */
+        float *wmf = (float *)malloc((size_t)(ng * 32) * sizeof(float)); /* [32][ng] and mins */
         uint16_t ab[2][16][32] __attribute__((aligned(64)));                /* A: q as bf16 */
         const __m512i tab = _mm512_load_si512((const void *)table);
         __m512 acc[2][32];
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 32 * t;
-            for (int i = 0; i < 32; i++) {
-                const sc_t sr = sc_row(*ws, n0 + i, ng);
-                for (int64_t b = 0; b < nb; b++) wsf[b * 32 + i] = sc_at(&sr, b >> gshift);
-                if (wm) {
-                    const sc_t mr = sc_row(*wm, n0 + i, ng);
-                    for (int64_t b = 0; b < nb; b++) wmf[b * 32 + i] = sc_at(&mr, b >> gshift);
-                }
+            for (int i = 0; i < 32; i++) { /* [32][ng]: row i's scales (and mins) per group */
+                row_scales(ws, n0 + i, ng, wsf + i * ng);
+                if (wm) row_scales(wm, n0 + i, ng, wmf + i * ng);
             }
             const char *next = (const char *)(w + (n0 + 32) * row_bytes);
             const int64_t lines = t + 1 < tasks ? 32 * row_bytes / 64 : 0, per = (lines + nb - 1) / nb;
@@ -1560,17 +1575,19 @@ static void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_
                     if (g0 == 0)
                         for (int64_t l = b * per; l < (b + 1) * per && l < lines; l++)
                             _mm_prefetch(next + 64 * l, _MM_HINT_T1);
-                    for (int r = 0; r < 32; r++) {
-                        const uint8_t *blk = w + (n0 + r) * row_bytes + b * BLOCK_BYTES(bits);
-                        __m256i q;
-                        if (bits == 4) { /* byte j: weight j in its low nibble, weight j + 16 in its high one */
-                            const __m128i v = _mm_loadu_si128((const __m128i *)blk);
-                            q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)),
-                                                 _mm_and_si128(v, _mm_set1_epi8(0x0F)));
-                        } else
-                            q = block_bytes(blk, 5, 0);
-                        _mm512_store_si512((void *)ab[r / 16][r % 16],
-                                           _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), tab));
+                    for (int h = 0; h < 2; h++) {
+                        const uint8_t *blk = w + (n0 + 16 * h) * row_bytes + b * BLOCK_BYTES(bits);
+#pragma GCC unroll 16
+                        for (int r = 0; r < 16; r++, blk += row_bytes) {
+                            __m256i q;
+                            if (bits == 4) { /* byte j: weight j in its low nibble, weight j + 16 in its high one */
+                                const __m128i v = _mm_loadu_si128((const __m128i *)blk);
+                                q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)),
+                                                     _mm_and_si128(v, _mm_set1_epi8(0x0F)));
+                            } else
+                                q = block_bytes(blk, 5, 0);
+                            _mm512_store_si512((void *)ab[h][r], _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), tab));
+                        }
                     }
                     _tile_loadd(4, ab[0], 64);
                     _tile_loadd(5, ab[1], 64);
@@ -1592,20 +1609,21 @@ static void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_
                         _tile_stored(2, c[2], 64);
                         _tile_stored(3, c[3], 64);
                     }
-                    const float *wb = wsf + b * 32, *mb = wmf + b * 32;
+                    const float *wb = wsf + (b >> gshift), *mb = wmf + (b >> gshift); /* row i's: [i * ng] */
                     for (int gi = 0; gi < 1 + two; gi++) {
                         if (wm) { /* the mins meet the rows' sums over the block */
                             const __m512 xgv = _mm512_loadu_ps(xgt + ((g0 + gi) * nb + b) * 16);
 #pragma GCC unroll 32
                             for (int i = 0; i < 32; i++)
-                                acc[gi][i] = _mm512_fmadd_ps(_mm512_set1_ps(mb[i]), xgv, acc[gi][i]);
+                                acc[gi][i] = _mm512_fmadd_ps(_mm512_set1_ps(mb[i * ng]), xgv, acc[gi][i]);
                         }
                         for (int h = 0; h < 2; h++) { /* tile 2 gi + h: weight rows 16 h .. 16 h + 15 */
                             __m512 *a = acc[gi] + 16 * h;
-                            const float *wh = wb + 16 * h;
+                            const float *wh = wb + 16 * h * ng;
 #pragma GCC unroll 16
                             for (int i = 0; i < 16; i++)
-                                a[i] = _mm512_fmadd_ps(_mm512_load_ps(c[2 * gi + h][i]), _mm512_set1_ps(wh[i]), a[i]);
+                                a[i] = _mm512_fmadd_ps(_mm512_load_ps(c[2 * gi + h][i]), _mm512_set1_ps(wh[i * ng]),
+                                                       a[i]);
                         }
                     }
                 }
