@@ -25,9 +25,10 @@
  *   auto (the default): below INT8_ROWS_K rows (16) the two-level layouts (K-quants, int4) with activations rounded
  *       to int8 per 256 and integer sums over each super-block (gemm_k), and below INT8_ROWS_Q8 (12) 8-bit blocks
  *       (Q8_0, Q5_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp multiplies them; on CPUs with AMX,
- *       from a few rows (AMX_ROWS_Q8, AMX_ROWS_K), 8-bit blocks and the two-level layouts (Q4_K, Q5_K, Q6_K) with
- *       activations per 32 by int8 tiles (gemm_amx, gemm_amx16), and from AMX_BF16Q_ROWS bf16 rows Q4_0, Q4_1 and
- *       Q5_1 by bf16 tiles (gemm_amx_bf16q); float32 for everything else.
+ *       8-bit blocks from AMX_ROWS_Q8 (3) rows and the two-level layouts (Q4_K, Q5_K, Q6_K) from AMX_ROWS_K (16)
+ *       with activations per 32 by int8 tiles (gemm_amx, gemm_amx16), 8-bit blocks below 3 rows by q8_exact (the
+ *       tiles' sums row by row), and from AMX_BF16Q_ROWS (4) bf16 rows Q4_0, Q4_1 and Q5_1 by bf16 tiles
+ *       (gemm_amx_bf16q); float32 for everything else.
  * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
  */
 #include <math.h>
@@ -1168,11 +1169,13 @@ static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
  * input rows] int32, then scaled (weight scale x row scale, plus min x the rows' sums over the block) into float32
  * sums, block by block (another order of the float32 adds than the row paths'). Weight rows past the last multiple
  * of 32 go through amx_tail. */
-/* the batch sizes from which the tiles beat the row kernels (gemm_q8, gemm_k), measured on Gemma 3 270M's shapes:
- * 8-bit blocks from 3 rows (its 262k-row Q8_0 head: 9 rows 20.8 -> 8.9 ms), the two-level layouts from 6 (Q6_K
- * gains from 6, Q4_K breaks even at 7-8) */
+/* the batch sizes from which the tiles take a layout. 8-bit blocks from 3 rows, where they beat gemm_q8 (Gemma 3
+ * 270M's 262k-row Q8_0 head: 9 rows 20.8 -> 8.9 ms); below, q8_exact gives each row the tiles' very sums. The
+ * two-level layouts from 16 (INT8_ROWS_K), where gemm_k's activations per 256 stop: the tiles round them per 32, so
+ * a row's numbers change where the path does, and a single stream's speculative verification steps (up to 9 rows)
+ * keep one-row decoding's (the tiles would be faster from 6-8 rows: Q6_K 9 rows 0.19 -> 0.13 ms) */
 #define AMX_ROWS_Q8 3
-#define AMX_ROWS_K 6
+#define AMX_ROWS_K INT8_ROWS_K
 static int amx_state = -1; /* -1 not asked yet, 0 unavailable or off, 1 on */
 
 static int amx_on(void) {
@@ -1234,6 +1237,102 @@ static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t
         }
     }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define WQ_Q8_EXACT 1
+#ifndef Q8_AHEAD
+#define Q8_AHEAD 1 /* groups of 16 rows ahead that a group asks for */
+#endif
+/* 8-bit blocks (Q8_0, Q5_0, int8) below AMX_ROWS_Q8 rows where the tiles take the larger batches: gemm_q8's integer
+ * products (int8 activations per 32), but each block's dot summed whole and scaled as gemm_amx scales it (float(dot)
+ * times (weight scale times row scale), added block after block from zero; the rows past the tiles' last task in
+ * amx_tail, as there). So a row gets the same bits alone as in any batch: a speculative verification step's rows
+ * give what one-row decoding gives. 16 weight rows a vector: two rows' blocks in each of 8 registers (w + 128, so
+ * that dpbusd takes them unsigned; 128 x the block's sum of x taken off after), the 8 partial sums of each row
+ * folded together. */
+static void q8_exact(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                     const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
+                     int64_t N) {
+    const int64_t nb = K / QB, row_bytes = row_bytes_of(bits, K), whole = N / 32 * 32;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    quantize_rows(x, x_bf16, M, K, QB, xq, xs, NULL, NULL);
+    int32_t *xsum = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t)); /* each block's sum of xq */
+    for (int64_t i = 0; i < M * nb; i++) {
+        int32_t t = 0;
+        for (int k = 0; k < QB; k++) t += xq[i * QB + k];
+        xsum[i] = t;
+    }
+#pragma omp parallel
+    {
+        float *wsf = (float *)aligned_alloc(64, (size_t)(nb * 16) * sizeof(float)); /* [nb][16] */
+        float *row = (float *)malloc((size_t)nb * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < whole / 16; g++) {
+            const int64_t n0 = 16 * g;
+            for (int r = 0; r < 16; r++) {
+                row_scales(ws, n0 + r, nb, row);
+                for (int64_t b = 0; b < nb; b++) wsf[b * 16 + r] = row[b];
+            }
+            /* the next group's 16 rows (contiguous) asked for ahead, spread over this one's blocks: 16 rows read a
+             * block at a time side by side are more streams than the hardware prefetchers follow */
+            const char *next = (const char *)(w + (n0 + 16 * Q8_AHEAD) * row_bytes);
+            const int64_t lines = n0 + 16 * Q8_AHEAD < whole ? 16 * row_bytes / 64 : 0, per = (lines + nb - 1) / nb;
+            for (int64_t m0 = 0; m0 < M; m0 += 2) { /* two input rows a pass: each block's weights widened once */
+                const int two = m0 + 1 < M;
+                __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (int64_t b = 0; b < nb; b++) {
+                    if (m0 == 0)
+                        for (int64_t l = b * per; l < (b + 1) * per && l < lines; l++)
+                            _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+                    __m512i wu[8]; /* rows j (low half) and j + 8 (high half), as unsigned: w + 128 */
+                    for (int j = 0; j < 8; j++) {
+                        const uint8_t *lo = w + (n0 + j) * row_bytes + b * BLOCK_BYTES(bits);
+                        const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(block_bytes(lo, bits, 1)),
+                                                              block_bytes(lo + 8 * row_bytes, bits, 1), 1);
+                        wu[j] = _mm512_xor_si512(wv, _mm512_set1_epi8((char)0x80));
+                    }
+                    for (int i = 0; i < 1 + two; i++) {
+                        const int64_t m = m0 + i;
+                        const __m512i xv =
+                            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + m * K + b * QB)));
+                        __m512i z[8];
+                        for (int j = 0; j < 8; j++) z[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu[j], xv);
+                        /* each 256-bit half's two 128-bit chunks added: a row's 4 partial sums in each chunk */
+                        for (int j = 0; j < 8; j++)
+                            z[j] = _mm512_add_epi32(z[j], _mm512_shuffle_i32x4(z[j], z[j], _MM_SHUFFLE(2, 3, 0, 1)));
+                        __m512i p[4], q[2];
+                        for (int j = 0; j < 4; j++)
+                            p[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2 * j], z[2 * j + 1]),
+                                                    _mm512_unpackhi_epi32(z[2 * j], z[2 * j + 1]));
+                        for (int j = 0; j < 2; j++)
+                            q[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(p[2 * j], p[2 * j + 1]),
+                                                    _mm512_unpackhi_epi64(p[2 * j], p[2 * j + 1]));
+                        /* q[0]: rows 0-3 in chunks 0 and 1, rows 8-11 in 2 and 3; q[1]: rows 4-7, 12-15; less
+                         * 128 x the block's sum of x (the + 128 above) */
+                        const __m512i dots = _mm512_sub_epi32(_mm512_mask_blend_epi32(0xF0F0, q[0], q[1]),
+                                                              _mm512_set1_epi32(128 * xsum[m * nb + b]));
+                        const __m512 sc = _mm512_mul_ps(_mm512_load_ps(wsf + b * 16), _mm512_set1_ps(xs[m * nb + b]));
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), sc, acc[i]);
+                    }
+                }
+                for (int i = 0; i < 1 + two; i++) {
+                    float v[16];
+                    _mm512_storeu_ps(v, acc[i]);
+                    for (int r = 0; r < 16; r++) put(v[r], m0 + i, n0 + r, bias, res, out, out_bf16, ldo);
+                }
+            }
+        }
+        free(wsf);
+        free(row);
+    }
+    if (whole < N)
+        amx_tail(xq, xs, NULL, M, K, w, bits, 1, QB, ws, NULL, whole, N, bias, res, out, out_bf16, ldo, NULL);
+    free(xq);
+    free(xs);
+    free(xsum);
+}
+#endif
 
 /* The input rows as the tile kernels take them: int8 per 32 (xq, xs; and xg, the float32 sums per block, for
  * layouts with mins), as B tiles bt [mg][nb][8][64] (byte 4 m + j of row r: xq[16 g + m][32 b + 4 r + j]; rows past
@@ -1726,6 +1825,12 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         return;
     }
     if (act == ACT_AUTO && M < INT8_ROWS_Q8 && gemm_q8_serves(bits, sgn, G, sfmt, mins_v)) {
+#ifdef WQ_Q8_EXACT
+        if (amx_on()) { /* the tiles take this layout from AMX_ROWS_Q8 rows: the same sums below */
+            q8_exact(x, x_bf16, M, K, w, bits, scales, bias, res, out, out_bf16, ldo, N);
+            return;
+        }
+#endif
         gemm_q8(x, x_bf16, M, K, w, bits, scales, bias, res, out, out_bf16, ldo, N);
         return;
     }
