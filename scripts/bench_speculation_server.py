@@ -139,7 +139,7 @@ def main() -> None:
             r, o = statistics.median(rates[name][kind]), statistics.median(rates[own][kind])
             row += [f"{r:.1f}", f"{r / o:.2f}"]
         same = sum(texts[name][key] == texts[own][key] for key in texts[name])
-        row.append(f"{same} of {len(texts[name])}")
+        row.append("" if name == own else f"{same} of {len(texts[name])}")
         print("| " + " | ".join(row) + " |")
     print(f"\nCommand: python scripts/bench_speculation_server.py {' '.join(sys.argv[1:])}; load average "
           f"{os.getloadavg()[0]:.2f}")

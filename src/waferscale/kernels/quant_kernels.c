@@ -1238,11 +1238,23 @@ static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t
     }
 }
 
+/* part b (of nb) of asking for `lines` cache lines at next, into L2, spread over a task's blocks: the next task's
+ * rows, which tile loads and rows read side by side walk as more streams than the hardware prefetchers follow */
+static inline void prefetch_part(const char *next, int64_t lines, int64_t nb, int64_t b) {
+    const int64_t per = (lines + nb - 1) / nb;
+    for (int64_t l = b * per; l < (b + 1) * per && l < lines; l++) _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+}
+
+/* rows n0 .. n0 + 31's scales (and mins, where wm) as float32, [32][ng] row after row */
+static void task_scales(const sc_t *ws, const sc_t *wm, int64_t n0, int64_t ng, float *wsf, float *wmf) {
+    for (int i = 0; i < 32; i++) {
+        row_scales(ws, n0 + i, ng, wsf + i * ng);
+        if (wm) row_scales(wm, n0 + i, ng, wmf + i * ng);
+    }
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define WQ_Q8_EXACT 1
-#ifndef Q8_AHEAD
-#define Q8_AHEAD 1 /* groups of 16 rows ahead that a group asks for */
-#endif
 /* 8-bit blocks (Q8_0, Q5_0, int8) below AMX_ROWS_Q8 rows where the tiles take the larger batches: gemm_q8's integer
  * products (int8 activations per 32), but each block's dot summed whole and scaled as gemm_amx scales it (float(dot)
  * times (weight scale times row scale), added block after block from zero; the rows past the tiles' last task in
@@ -1274,17 +1286,13 @@ static void q8_exact(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                 row_scales(ws, n0 + r, nb, row);
                 for (int64_t b = 0; b < nb; b++) wsf[b * 16 + r] = row[b];
             }
-            /* the next group's 16 rows (contiguous) asked for ahead, spread over this one's blocks: 16 rows read a
-             * block at a time side by side are more streams than the hardware prefetchers follow */
-            const char *next = (const char *)(w + (n0 + 16 * Q8_AHEAD) * row_bytes);
-            const int64_t lines = n0 + 16 * Q8_AHEAD < whole ? 16 * row_bytes / 64 : 0, per = (lines + nb - 1) / nb;
+            const char *next = (const char *)(w + (n0 + 16) * row_bytes); /* the next group's 16 rows */
+            const int64_t lines = n0 + 16 < whole ? 16 * row_bytes / 64 : 0;
             for (int64_t m0 = 0; m0 < M; m0 += 2) { /* two input rows a pass: each block's weights widened once */
                 const int two = m0 + 1 < M;
                 __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
                 for (int64_t b = 0; b < nb; b++) {
-                    if (m0 == 0)
-                        for (int64_t l = b * per; l < (b + 1) * per && l < lines; l++)
-                            _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+                    if (m0 == 0) prefetch_part(next, lines, nb, b);
                     __m512i wu[8]; /* rows j (low half) and j + 8 (high half), as unsigned: w + 128 */
                     for (int j = 0; j < 8; j++) {
                         const uint8_t *lo = w + (n0 + j) * row_bytes + b * BLOCK_BYTES(bits);
@@ -1421,22 +1429,15 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 32 * t;
-            for (int i = 0; i < 32; i++) { /* [32][nb]: row i's scales (and mins) per block */
-                row_scales(ws, n0 + i, nb, wsf + i * nb);
-                if (wm) row_scales(wm, n0 + i, nb, wmf + i * nb);
-            }
-            /* the next task's rows (contiguous) are asked for ahead, spread over this one's blocks: the tile loads
-             * walk 32 rows at once, which the hardware prefetchers follow poorly */
-            const char *next = (const char *)(w + (n0 + 32) * row_bytes);
-            const int64_t lines = t + 1 < tasks ? 32 * row_bytes / 64 : 0, per = (lines + nb - 1) / nb;
+            task_scales(ws, wm, n0, nb, wsf, wmf); /* [32][nb]: per block */
+            const char *next = (const char *)(w + (n0 + 32) * row_bytes); /* the next task's rows */
+            const int64_t lines = t + 1 < tasks ? 32 * row_bytes / 64 : 0;
             for (int64_t g0 = 0; g0 < mg; g0 += 2) {
                 const int two = g0 + 1 < mg;
                 for (int gi = 0; gi < 2; gi++)
                     for (int i = 0; i < 32; i++) acc[gi][i] = _mm512_setzero_ps();
                 for (int64_t b = 0; b < nb; b++) {
-                    if (g0 == 0)
-                        for (int64_t l = b * per; l < (b + 1) * per && l < lines; l++)
-                            _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+                    if (g0 == 0) prefetch_part(next, lines, nb, b);
                     if (bits == 8) {
                         _tile_loadd(4, w + n0 * K + b * QB, K);
                         _tile_loadd(5, w + (n0 + 16) * K + b * QB, K);
@@ -1660,20 +1661,15 @@ static void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 32 * t;
-            for (int i = 0; i < 32; i++) { /* [32][ng]: row i's scales (and mins) per group */
-                row_scales(ws, n0 + i, ng, wsf + i * ng);
-                if (wm) row_scales(wm, n0 + i, ng, wmf + i * ng);
-            }
-            const char *next = (const char *)(w + (n0 + 32) * row_bytes);
-            const int64_t lines = t + 1 < tasks ? 32 * row_bytes / 64 : 0, per = (lines + nb - 1) / nb;
+            task_scales(ws, wm, n0, ng, wsf, wmf); /* [32][ng]: per group */
+            const char *next = (const char *)(w + (n0 + 32) * row_bytes); /* the next task's rows */
+            const int64_t lines = t + 1 < tasks ? 32 * row_bytes / 64 : 0;
             for (int64_t g0 = 0; g0 < mg; g0 += 2) {
                 const int two = g0 + 1 < mg;
                 for (int gi = 0; gi < 2; gi++)
                     for (int i = 0; i < 32; i++) acc[gi][i] = _mm512_setzero_ps();
                 for (int64_t b = 0; b < nb; b++) {
-                    if (g0 == 0)
-                        for (int64_t l = b * per; l < (b + 1) * per && l < lines; l++)
-                            _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+                    if (g0 == 0) prefetch_part(next, lines, nb, b);
                     for (int h = 0; h < 2; h++) {
                         const uint8_t *blk = w + (n0 + 16 * h) * row_bytes + b * BLOCK_BYTES(bits);
 #pragma GCC unroll 16
