@@ -32,13 +32,30 @@ MXFP4_SOURCE = Path(__file__).with_name("mxfp4_kernels.c")  # MXFP4 blocks (gpt-
 # whose constructor turns on flush-to-zero for the whole process
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
+# WAFERSCALE_NATIVE_KERNELS' builds beside the native one: portable, the plain-C paths (as on a CPU without AVX2);
+# avx2, this CPU's features less AVX-512, AVX-VNNI and AMX (as on a Zen 2/3 EPYC), so any newer machine can run and
+# time the AVX2 paths
+VARIANT_FLAGS = {
+    "native": [],
+    "portable": ["-DWS_PORTABLE"],
+    "avx2": ["-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],
+}
 
 _lock = threading.Lock()
 
 
+def _variant() -> str:
+    """The build WAFERSCALE_NATIVE_KERNELS asks for: native (1, the default), portable or avx2 (0: none)."""
+    setting = os.environ.get("WAFERSCALE_NATIVE_KERNELS", "1")
+    return "native" if setting == "1" else setting
+
+
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 GEMMs are emulated."""
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 GEMMs are emulated.
+    False under WAFERSCALE_NATIVE_KERNELS=avx2, which serves as an AVX2-only CPU would."""
+    if _variant() == "avx2":
+        return False
     try:
         flags = open("/proc/cpuinfo").read()
     except OSError:
@@ -62,11 +79,11 @@ def _cpu_signature() -> str:
     return "\n".join(wanted)
 
 
-def _build(compiler: str, portable: bool = False) -> Path:
-    """Compile the kernels into the cache (once per source, compiler and CPU); returns the library's path.
-    portable: the plain-C paths only (-DWS_PORTABLE), as on a CPU without AVX2."""
+def _build(compiler: str, variant: str = "native") -> Path:
+    """Compile the kernels into the cache (once per source, compiler, CPU and variant: see VARIANT_FLAGS); returns
+    the library's path."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    flags = COMPILE_FLAGS + (["-DWS_PORTABLE"] if portable else [])
+    flags = COMPILE_FLAGS + VARIANT_FLAGS[variant]
     sources = [SOURCE, QUANT_SOURCE, MXFP4_SOURCE]
     key = hashlib.sha256(
         "\0".join(
@@ -145,8 +162,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def load() -> NativeKernels | None:
     """The compiled kernels, or None where they are turned off or cannot be built (the reason is logged once).
-    WAFERSCALE_NATIVE_KERNELS=0 turns them off; =portable builds the plain-C paths only (no AVX2), which is how
-    tests run the fallback on any machine."""
+    WAFERSCALE_NATIVE_KERNELS=0 turns them off; =portable builds the plain-C paths only (no AVX2), =avx2 no
+    AVX-512, AVX-VNNI or AMX, which is how tests run (and benchmarks time) those paths on any machine."""
     with _lock:
         if "lib" in _loaded:
             return _loaded["lib"]  # type: ignore[return-value]
@@ -154,6 +171,12 @@ def load() -> NativeKernels | None:
         setting = os.environ.get("WAFERSCALE_NATIVE_KERNELS", "1")
         if setting == "0":
             log.info("native kernels off (WAFERSCALE_NATIVE_KERNELS=0): using PyTorch ops")
+        elif _variant() not in VARIANT_FLAGS:
+            log.warning(
+                "WAFERSCALE_NATIVE_KERNELS=%s is not one of 1, 0, %s: using PyTorch ops",
+                setting,
+                ", ".join(v for v in VARIANT_FLAGS if v != "native"),
+            )
         elif platform.system() != "Linux":
             log.info("native kernels are built on Linux only: using PyTorch ops")
         else:
@@ -162,7 +185,7 @@ def load() -> NativeKernels | None:
                 log.warning("no C compiler found (set CC): using PyTorch ops, slower for decoding")
             else:
                 try:
-                    path = _build(compiler, portable=setting == "portable")
+                    path = _build(compiler, _variant())
                     kernels = NativeKernels(_bind(ctypes.CDLL(str(path))))
                     log.info("native kernels: %s", path)
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
