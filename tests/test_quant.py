@@ -110,8 +110,10 @@ PANEL_ROWS = 6
 # auto rounds activations to int8 below these batch sizes (INT8_ROWS_K for two-level layouts, INT8_ROWS_Q8 for
 # 8-bit blocks), and takes the float32 paths from them on
 INT8_ROWS_K, INT8_ROWS_Q8 = 16, 12
-# where the CPU has AMX, auto takes the int8 tiles from these batch sizes instead (quant_kernels.c's AMX_ROWS_*)
+# where the CPU has AMX, auto takes the int8 tiles from these batch sizes instead (quant_kernels.c's AMX_ROWS_*); where
+# it has AVX-512 VNNI and no AMX, their vector counterpart (gemm_vnni) takes over from the row paths' limits
 AMX_ROWS_K, AMX_ROWS_Q8 = 16, 3
+TILE_ROWS = {"amx": (AMX_ROWS_K, AMX_ROWS_Q8), "vnni": (INT8_ROWS_K, INT8_ROWS_Q8)}
 
 
 # qgemm's activation modes (quant.ACTIVATION_MODES)
@@ -124,21 +126,31 @@ def _eight_bit(w: QuantWeight) -> bool:
     return w.bits in (8, 5) and w.signed and w.group == 32 and w.mins is None and w.scale_format != 2
 
 
-def _amx_rows(w: QuantWeight, act: int, rows: int, amx: bool) -> bool:
-    """Whether auto multiplies this batch by AMX tiles where the CPU has AMX: 8-bit blocks from AMX_ROWS_Q8 rows,
-    the two-level layouts (Q4_K, Q5_K, Q6_K) from AMX_ROWS_K; int8 activations per 32."""
-    if not (amx and act == AUTO):
+def _tiles(lib) -> str | None:
+    """Which int8 batch kernel auto takes on this CPU: AMX tiles, AVX-512 VNNI vectors (the same sums), or none."""
+    return "amx" if lib.set_amx(True) else "vnni" if lib.set_vnni(True) else None
+
+
+def _fewest_tile_rows(w: QuantWeight, tiles: str) -> int:
+    """The batch size from which the tiles (or their VNNI counterpart) take this layout."""
+    k_rows, q8_rows = TILE_ROWS[tiles]
+    return q8_rows if _eight_bit(w) else k_rows
+
+
+def _tile_rows(w: QuantWeight, act: int, rows: int, tiles: str | None) -> bool:
+    """Whether auto multiplies this batch by the int8 tiles (or VNNI vectors): 8-bit blocks and the two-level layouts
+    (Q4_K, Q5_K, Q6_K) from their TILE_ROWS; int8 activations per 32."""
+    if not (tiles and act == AUTO):
         return False
-    if _eight_bit(w):
-        return rows >= AMX_ROWS_Q8
     two_level_32 = w.group == 32 and not w.signed  # Q4_K, Q5_K
     q6k = w.group == 16 and w.signed and w.bits in (8, 6) and w.mins is None
-    return w.scale_format == 2 and (two_level_32 or q6k) and rows >= AMX_ROWS_K
+    served = _eight_bit(w) or (w.scale_format == 2 and (two_level_32 or q6k))
+    return served and rows >= _fewest_tile_rows(w, tiles)
 
 
-def _int8_block(w: QuantWeight, act: int, rows: int, amx: bool = False) -> int | None:
+def _int8_block(w: QuantWeight, act: int, rows: int, tiles: str | None = None) -> int | None:
     """The block over which a mode rounds activations to int8 for this weight and batch, or None (float32)."""
-    if act == INT8 or _amx_rows(w, act, rows, amx):
+    if act == INT8 or _tile_rows(w, act, rows, tiles):
         return 32
     if act != AUTO or not native_avx2():
         return None
@@ -153,19 +165,19 @@ def native_avx2() -> bool:
 
 
 def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
-    amx = lib.set_amx(True)
+    tiles = _tiles(lib)
     for rows in (1, 3, 6, 9, 13, 17):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
         want = x @ dense.T
         y, one = torch.empty(rows, w.out_features), torch.empty(1, w.out_features)
         for act in (FLOAT32, INT8, AUTO):
-            block = _int8_block(w, act, rows, amx)
+            block = _int8_block(w, act, rows, tiles)
             lib.qgemm(x, w, y, act=act)
             # each row's result does not depend on the others in the batch (within one path)
             lib.qgemm(x[-1:].contiguous(), w, one, act=act)
             alone_same_path = _int8_block(w, act, 1) == block  # auto: 17 rows are float32, 1 is int8
-            if _amx_rows(w, act, rows, amx):  # the tiles: the fewest rows that take them too
-                fewest = AMX_ROWS_Q8 if _eight_bit(w) else AMX_ROWS_K
+            if _tile_rows(w, act, rows, tiles):  # the tiles: the fewest rows that take them too
+                fewest = _fewest_tile_rows(w, tiles)
                 part = torch.empty(fewest, w.out_features)
                 lib.qgemm(x[-fewest:].contiguous(), w, part, act=act)
                 assert torch.equal(part[-1], y[-1])
@@ -230,16 +242,31 @@ def test_packed_5_and_6_bit_blocks_give_what_the_same_values_as_bytes_give(kind,
 
 
 @needs_native
+@pytest.mark.parametrize("tiles", ["amx", "vnni"])
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
-def test_amx_tiles_give_each_row_the_integer_sums(kind):
-    """Where the CPU has AMX, auto multiplies 8-bit blocks from 3 rows, and Q4_K, Q5_K and Q6_K from 16, by tiles: 33
+def test_int8_tiles_give_each_row_the_integer_sums(kind, tiles):
+    """Where the CPU has AMX, auto multiplies 8-bit blocks from 3 rows, and Q4_K, Q5_K and Q6_K from 16, by tiles;
+    where it has AVX-512 VNNI (AMX off or missing), by vectors that sum as the tiles do, from 12 and 16 rows: 33
     rows (two tile groups and a part) against 100 weight rows (three 32-row tasks and 4 rows past them) give each
     row, bias included, the products of its int8 activations (per 32) with the weights as the int8 mode sums them,
-    within float32 rounding; 8-bit blocks, the very bits the row alone gets (its own kernel sums and scales each
-    block as the tiles do: a speculative verification step's rows give what one-row decoding gives);
-    bf16 out with a residual is those sums rounded as torch rounds them."""
-    if not native.set_amx(True):
+    within float32 rounding; each row the same bits in the fewest rows the tiles take; with AMX, for 8-bit blocks,
+    the very bits the row alone gets (its own kernel sums and scales each block as the tiles do: a speculative
+    verification step's rows give what one-row decoding gives); bf16 out with a residual is those sums rounded as
+    torch rounds them."""
+    if tiles == "amx" and not native.set_amx(True):
         pytest.skip("no AMX on this CPU (or the OS does not grant it)")
+    if tiles == "vnni":
+        native.set_amx(False)
+        if not native.set_vnni(True):
+            native.set_amx(True)
+            pytest.skip("no AVX-512 VNNI on this CPU")
+    try:
+        _check_tile_sums(kind, tiles)
+    finally:
+        native.set_amx(True)
+
+
+def _check_tile_sums(kind: str, tiles: str) -> None:
     n, rows = 100, 33
     k = 768 if kind.endswith("_K") else 640
     w = from_gguf(random_blocks(kind, n, k, seed=5), kind, n, k)
@@ -254,7 +281,11 @@ def test_amx_tiles_give_each_row_the_integer_sums(kind):
     dense = torch.empty(rows, n)
     native.qgemm(x, w, dense, bias=bias, act=FLOAT32)
     assert ((y - dense).norm() / dense.norm()) < 0.01  # and int8 activations stay close to float32's
-    for r in range(rows if not kind.endswith("_K") else 0):  # 8-bit blocks: one row alone, the same bits
+    fewest = _fewest_tile_rows(w, tiles)
+    part = torch.empty(fewest, n)
+    native.qgemm(x[-fewest:].contiguous(), w, part, bias=bias, act=AUTO)
+    assert torch.equal(part, y[-fewest:])
+    for r in range(rows if tiles == "amx" and _eight_bit(w) else 0):  # AMX, 8-bit blocks: one row alone, same bits
         one = torch.empty(1, n)
         native.qgemm(x[r : r + 1].contiguous(), w, one, bias=bias, act=AUTO)
         assert torch.equal(one[0], y[r]), r

@@ -145,6 +145,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qdequant.restype = None
     lib.qgemm_set_amx.argtypes = [ctypes.c_int]
     lib.qgemm_set_amx.restype = ctypes.c_int
+    lib.qgemm_set_vnni.argtypes = [ctypes.c_int]
+    lib.qgemm_set_vnni.restype = ctypes.c_int
     lib.gemm_bf16_tiles.argtypes = []
     lib.gemm_bf16_tiles.restype = ctypes.c_int
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
@@ -758,6 +760,11 @@ class NativeKernels:
         """Let qgemm and the packed bf16 GEMM use AMX tiles where the CPU and the OS allow (on, the default) or not
         (tests of the other paths); returns whether it is in use."""
         return bool(self.lib.qgemm_set_amx(int(on)))
+
+    def set_vnni(self, on: bool) -> bool:
+        """Let qgemm multiply batches with AVX-512 VNNI where AMX does not take them (on, the default) or not
+        (tests and benchmarks compare the paths); returns whether they are on (False where the build has none)."""
+        return bool(self.lib.qgemm_set_vnni(int(on)))
 
     def bf16_tiles(self) -> bool:
         """Whether batches of bf16 rows (from 17) multiply packed bf16 weights on AMX tiles: then packed panels

@@ -1157,49 +1157,10 @@ static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     free(xs);
 }
 
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
-#define WQ_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* Batches on CPUs with AMX (gemm_amx_serves below says which): activations int8 per 32 (as gemm_q8), each block's
- * products summed by the tile unit. A = 16 weight rows x one 32-weight block, read in place (row stride K; 4-bit
- * blocks widened to bytes first, through a 16-entry table where the layout has one: MXFP4's e2m1 values); B = the
- * block of 16 input rows in the tile unit's 4-byte-interleaved layout, made once per call; C [16 weight rows][16
- * input rows] int32, then scaled (weight scale x row scale, plus min x the rows' sums over the block) into float32
- * sums, block by block (another order of the float32 adds than the row paths'). Weight rows past the last multiple
- * of 32 go through amx_tail. */
-/* the batch sizes from which the tiles take a layout. 8-bit blocks from 3 rows, where they beat gemm_q8 (Gemma 3
- * 270M's 262k-row Q8_0 head: 9 rows 20.8 -> 8.9 ms); below, q8_exact gives each row the tiles' very sums. The
- * two-level layouts from 16 (INT8_ROWS_K), where gemm_k's activations per 256 stop: the tiles round them per 32, so
- * a row's numbers change where the path does, and a single stream's speculative verification steps (up to 9 rows)
- * keep one-row decoding's (the tiles would be faster from 6-8 rows: Q6_K 9 rows 0.19 -> 0.13 ms) */
-#define AMX_ROWS_Q8 3
-#define AMX_ROWS_K INT8_ROWS_K
-static int amx_state = -1; /* -1 not asked yet, 0 unavailable or off, 1 on */
-
-static int amx_on(void) {
-    if (amx_state < 0) /* Linux gives a process the tile data state on request (ARCH_REQ_XCOMP_PERM, XTILEDATA) */
-        amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return amx_state;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
-/* what the int8 tiles serve under auto: 8-bit blocks without mins (Q8_0, Q5_0, int8) from AMX_ROWS_Q8 rows; the
- * two-level layouts (Q4_K, Q5_K, int4 where K allows, and Q6_K's groups of 16 in gemm_amx16) from AMX_ROWS_K,
- * activations per 32 (finer than gemm_k's per 256). The one-level blocks whose int8 activations cost accuracy (Q4_0,
- * Q4_1, Q5_1) take the bf16 tiles (gemm_amx_bf16q) for bf16 rows, else the float32 paths. */
-static int gemm_amx_serves(int64_t M, int bits, int sgn, int64_t G, int sfmt, const void *mins) {
-    if (gemm_q8_serves(bits, sgn, G, sfmt, mins)) return M >= AMX_ROWS_Q8;
-    if (M < AMX_ROWS_K || sfmt != SC_TWO_LEVEL) return 0;
-    return (G == QB && !sgn && (bits == 4 || bits == 8)) || (G == 16 && sgn && (bits == 8 || bits == 6) && !mins);
-}
-
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define WQ_TILES 1
+/* What the int8 tiles (AMX) and their AVX-512 VNNI counterpart share: the input rows in the tile unit's
+ * layout, the scaled sums written out, and the weight rows past the last whole task. */
 /* the integer sums of weight rows n0 .. n1 against every input row, one at a time, then scaled as the tiles' are:
  * the rows past the tiles' last whole task (plain C: at most 31 rows); scales per group of G (16 or 32) */
 static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t M, int64_t K, const uint8_t *w,
@@ -1251,6 +1212,242 @@ static void task_scales(const sc_t *ws, const sc_t *wm, int64_t n0, int64_t ng, 
         row_scales(ws, n0 + i, ng, wsf + i * ng);
         if (wm) row_scales(wm, n0 + i, ng, wmf + i * ng);
     }
+}
+
+/* The input rows as the tile kernels take them: int8 per 32 (xq, xs; and xg, the float32 sums per block, for
+ * layouts with mins), as B tiles bt [mg][nb][8][64] (byte 4 m + j of row r: xq[16 g + m][32 b + 4 r + j]; rows past
+ * M 0), and the scales (and sums) per block as [mg][nb][16]. */
+typedef struct {
+    int8_t *xq, *bt;
+    float *xs, *xg, *xst, *xgt;
+} amx_in_t;
+
+static amx_in_t amx_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int sums) {
+    const int64_t nb = K / QB, mg = (M + 15) / 16;
+    amx_in_t in;
+    in.xq = (int8_t *)malloc((size_t)(M * K));
+    in.xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    in.xg = sums ? (float *)malloc((size_t)(M * nb) * sizeof(float)) : NULL;
+    quantize_rows(x, x_bf16, M, K, QB, in.xq, in.xs, in.xg, NULL);
+    in.bt = (int8_t *)aligned_alloc(64, (size_t)(mg * nb * 512)); /* tile rows on cache lines */
+    memset(in.bt, 0, (size_t)(mg * nb * 512));
+    in.xst = (float *)calloc((size_t)(mg * nb * 16), sizeof(float));
+    in.xgt = sums ? (float *)calloc((size_t)(mg * nb * 16), sizeof(float)) : NULL;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            int8_t *tile = in.bt + ((m / 16) * nb + b) * 512;
+            const int8_t *src = in.xq + m * K + b * QB;
+            for (int64_t k = 0; k < QB; k += 4) memcpy(tile + (k / 4) * 64 + (m % 16) * 4, src + k, 4);
+            in.xst[((m / 16) * nb + b) * 16 + m % 16] = in.xs[m * nb + b];
+            if (sums) in.xgt[((m / 16) * nb + b) * 16 + m % 16] = in.xg[m * nb + b];
+        }
+    return in;
+}
+
+static void amx_inputs_free(amx_in_t *in) {
+    free(in->xq);
+    free(in->bt);
+    free(in->xs);
+    free(in->xg);
+    free(in->xst);
+    free(in->xgt);
+}
+
+/* acc[i] (lanes: input rows m0 .. m0 + 15) holds weight row n0 + i's sums, i < nrows (16 or 32): written as input
+ * rows of nrows sums each (vector stores for float32 out), `rows` of them */
+static void amx_store(const __m512 *acc, int nrows, int64_t rows, int64_t m0, int64_t n0, const float *bias,
+                      const uint16_t *res, void *out, int out_bf16, int64_t ldo) {
+    float v[32][16], r[16][32] __attribute__((aligned(64)));
+    for (int i = 0; i < nrows; i++) _mm512_storeu_ps(v[i], acc[i]);
+    for (int64_t m = 0; m < rows; m++)
+        for (int i = 0; i < nrows; i++) r[m][i] = v[i][m];
+    for (int64_t m = 0; m < rows; m++) {
+        if (!out_bf16) {
+            float *o = (float *)out + (m0 + m) * ldo + n0;
+            for (int h = 0; h < nrows / 16; h++) {
+                __m512 y = _mm512_load_ps(r[m] + 16 * h);
+                if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + n0 + 16 * h));
+                _mm512_storeu_ps(o + 16 * h, y);
+            }
+        } else
+            for (int i = 0; i < nrows; i++) put(r[m][i], m0 + m, n0 + i, bias, res, out, out_bf16, ldo);
+    }
+}
+
+/* Batches on CPUs with AVX-512 VNNI where AMX is missing (or off): what gemm_amx and gemm_amx16 compute, with
+ * vpdpbusd on 512-bit vectors in place of the tile unit. The input rows are the tiles' B layout (16 rows a vector:
+ * 4 bytes of each), the weights broadcast 4 bytes at a time; each block's integer dot is exact, then scaled and
+ * added as the tiles' are (mins first, then the dot; for groups of 16, each half with its own scale), so a row gets
+ * the tiles' very sums. vpdpbusd multiplies unsigned by signed bytes: signed weights go in as w + 128, and 128 times
+ * the block's sum of x comes off. 16 weight rows a task, widened to bytes once for every group of input rows. */
+static int vnni_state = 1; /* on unless a test turns it off */
+
+static int gemm_vnni_serves(int bits, int sgn, int64_t G, int sfmt, const void *mins) {
+    if (gemm_q8_serves(bits, sgn, G, sfmt, mins)) return 1;
+    if (sfmt != SC_TWO_LEVEL) return 0;
+    return (G == QB && !sgn && (bits == 4 || bits == 8)) || (G == 16 && sgn && (bits == 8 || bits == 6) && !mins);
+}
+
+/* 8 weight rows (wide: [rows][K] bytes, their scales wsf / mins wmf [rows][ng]) against one group of 16 input rows:
+ * acc[r] (lanes: the input rows) = their sums over all nb blocks */
+static inline __attribute__((always_inline)) void vnni_rows8(const uint8_t *wide, int64_t K, int64_t nb, int64_t ng,
+                                                             const float *wsf, const float *wmf, const int8_t *bt,
+                                                             const float *xst, const float *xgt, const int32_t *c128,
+                                                             const int g16, __m512 acc[8]) {
+    for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i xv[8];
+        for (int j = 0; j < 8; j++) xv[j] = _mm512_load_si512((const void *)(bt + b * 512 + 64 * j));
+        const __m512 xsv = _mm512_loadu_ps(xst + b * 16);
+        __m512i d[8], e[8];
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) d[r] = e[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) {
+                const int32_t *wr = (const int32_t *)(wide + r * K + b * QB);
+                d[r] = _mm512_dpbusd_epi32(d[r], _mm512_set1_epi32(wr[j]), xv[j]);
+                if (g16) e[r] = _mm512_dpbusd_epi32(e[r], _mm512_set1_epi32(wr[j + 4]), xv[j + 4]);
+                else d[r] = _mm512_dpbusd_epi32(d[r], _mm512_set1_epi32(wr[j + 4]), xv[j + 4]);
+            }
+        if (c128) { /* signed weights: 128 x the block's (each half's) sum of x off */
+            const __m512i c0 = _mm512_loadu_si512((const void *)(c128 + b * 32));
+            const __m512i c1 = _mm512_loadu_si512((const void *)(c128 + b * 32 + 16));
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) {
+                d[r] = _mm512_sub_epi32(d[r], c0);
+                if (g16) e[r] = _mm512_sub_epi32(e[r], c1);
+            }
+        }
+        if (wmf) {
+            const __m512 xgv = _mm512_loadu_ps(xgt + b * 16);
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(wmf[r * ng + b]), xgv, acc[r]);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+            if (g16) {
+                const float *sr = wsf + r * ng + 2 * b;
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r]), _mm512_mul_ps(_mm512_set1_ps(sr[0]), xsv), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e[r]), _mm512_mul_ps(_mm512_set1_ps(sr[1]), xsv), acc[r]);
+            } else
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r]),
+                                         _mm512_mul_ps(_mm512_set1_ps(wsf[r * ng + b]), xsv), acc[r]);
+        }
+    }
+}
+
+static void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                      const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                      const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+    const int64_t nb = K / QB, ng = K / G, mg = (M + 15) / 16, tasks = N / 16, row_bytes = row_bytes_of(bits, K);
+    const int g16 = G == 16;
+    amx_in_t in = amx_inputs(x, x_bf16, M, K, wm != NULL);
+    int32_t *c128 = NULL; /* [mg][nb][2][16]: 128 x the block's sum of x (G = 16: each half's) */
+    if (sgn) {
+        c128 = (int32_t *)calloc((size_t)(mg * nb * 32), sizeof(int32_t));
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t b = 0; b < nb; b++) {
+                const int8_t *xb = in.xq + m * K + b * QB;
+                int32_t lo = 0, hi = 0;
+                for (int i = 0; i < 16; i++) lo += xb[i], hi += xb[i + 16];
+                int32_t *c = c128 + ((m / 16) * nb + b) * 32 + m % 16;
+                if (g16) c[0] = 128 * lo, c[16] = 128 * hi;
+                else c[0] = 128 * (lo + hi);
+            }
+    }
+#pragma omp parallel
+    {
+        uint8_t *wide = (uint8_t *)aligned_alloc(64, (size_t)(16 * K)); /* the task's rows as bytes, [16][K] */
+        float *wsf = (float *)malloc((size_t)(16 * ng) * sizeof(float)); /* [16][ng] their scales */
+        float *wmf = wm ? (float *)malloc((size_t)(16 * ng) * sizeof(float)) : NULL;
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t n0 = 16 * t;
+            for (int i = 0; i < 16; i++) {
+                row_scales(ws, n0 + i, ng, wsf + i * ng);
+                if (wm) row_scales(wm, n0 + i, ng, wmf + i * ng);
+                const uint8_t *wr = w + (n0 + i) * row_bytes;
+                for (int64_t b = 0; b < nb; b++) {
+                    __m256i v;
+                    if (bits == 4) { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
+                        const __m128i q = _mm_loadu_si128((const __m128i *)(wr + b * 16));
+                        v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)),
+                                             _mm_and_si128(q, _mm_set1_epi8(0x0F)));
+                    } else if (bits == 8)
+                        v = _mm256_loadu_si256((const __m256i *)(wr + b * QB));
+                    else
+                        v = block_bytes(wr + b * BLOCK_BYTES(bits), bits, sgn);
+                    if (sgn) v = _mm256_xor_si256(v, flip);
+                    _mm256_store_si256((__m256i *)(wide + i * K + b * QB), v);
+                }
+            }
+            for (int64_t g0 = 0; g0 < mg; g0++) {
+                __m512 acc[16];
+                for (int h = 0; h < 2; h++)
+                    vnni_rows8(wide + 8 * h * K, K, nb, ng, wsf + 8 * h * ng, wmf ? wmf + 8 * h * ng : NULL,
+                               in.bt + g0 * nb * 512, in.xst + g0 * nb * 16, in.xgt ? in.xgt + g0 * nb * 16 : NULL,
+                               c128 ? c128 + g0 * nb * 32 : NULL, g16, acc + 8 * h);
+                const int64_t m0 = 16 * g0, rows = M - m0 < 16 ? M - m0 : 16;
+                amx_store(acc, 16, rows, m0, n0, bias, res, out, out_bf16, ldo);
+            }
+        }
+        free(wide);
+        free(wsf);
+        free(wmf);
+    }
+    if (tasks * 16 < N)
+        amx_tail(in.xq, in.xs, in.xg, M, K, w, bits, sgn, G, ws, wm, tasks * 16, N, bias, res, out, out_bf16, ldo,
+                 NULL);
+    free(c128);
+    amx_inputs_free(&in);
+}
+
+#endif
+
+#if defined(WQ_TILES) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define WQ_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Batches on CPUs with AMX (gemm_amx_serves below says which): activations int8 per 32 (as gemm_q8), each block's
+ * products summed by the tile unit. A = 16 weight rows x one 32-weight block, read in place (row stride K; 4-bit
+ * blocks widened to bytes first, through a 16-entry table where the layout has one: MXFP4's e2m1 values); B = the
+ * block of 16 input rows in the tile unit's 4-byte-interleaved layout, made once per call; C [16 weight rows][16
+ * input rows] int32, then scaled (weight scale x row scale, plus min x the rows' sums over the block) into float32
+ * sums, block by block (another order of the float32 adds than the row paths'). Weight rows past the last multiple
+ * of 32 go through amx_tail. */
+/* the batch sizes from which the tiles take a layout. 8-bit blocks from 3 rows, where they beat gemm_q8 (Gemma 3
+ * 270M's 262k-row Q8_0 head: 9 rows 20.8 -> 8.9 ms); below, q8_exact gives each row the tiles' very sums. The
+ * two-level layouts from 16 (INT8_ROWS_K), where gemm_k's activations per 256 stop: the tiles round them per 32, so
+ * a row's numbers change where the path does, and a single stream's speculative verification steps (up to 9 rows)
+ * keep one-row decoding's (the tiles would be faster from 6-8 rows: Q6_K 9 rows 0.19 -> 0.13 ms) */
+#define AMX_ROWS_Q8 3
+#define AMX_ROWS_K INT8_ROWS_K
+static int amx_state = -1; /* -1 not asked yet, 0 unavailable or off, 1 on */
+
+static int amx_on(void) {
+    if (amx_state < 0) /* Linux gives a process the tile data state on request (ARCH_REQ_XCOMP_PERM, XTILEDATA) */
+        amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* what the int8 tiles serve under auto: 8-bit blocks without mins (Q8_0, Q5_0, int8) from AMX_ROWS_Q8 rows; the
+ * two-level layouts (Q4_K, Q5_K, int4 where K allows, and Q6_K's groups of 16 in gemm_amx16) from AMX_ROWS_K,
+ * activations per 32 (finer than gemm_k's per 256). The one-level blocks whose int8 activations cost accuracy (Q4_0,
+ * Q4_1, Q5_1) take the bf16 tiles (gemm_amx_bf16q) for bf16 rows, else the float32 paths. */
+static int gemm_amx_serves(int64_t M, int bits, int sgn, int64_t G, int sfmt, const void *mins) {
+    if (gemm_q8_serves(bits, sgn, G, sfmt, mins)) return M >= AMX_ROWS_Q8;
+    if (M < AMX_ROWS_K || sfmt != SC_TWO_LEVEL) return 0;
+    return (G == QB && !sgn && (bits == 4 || bits == 8)) || (G == 16 && sgn && (bits == 8 || bits == 6) && !mins);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -1341,66 +1538,6 @@ static void q8_exact(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     free(xsum);
 }
 #endif
-
-/* The input rows as the tile kernels take them: int8 per 32 (xq, xs; and xg, the float32 sums per block, for
- * layouts with mins), as B tiles bt [mg][nb][8][64] (byte 4 m + j of row r: xq[16 g + m][32 b + 4 r + j]; rows past
- * M 0), and the scales (and sums) per block as [mg][nb][16]. */
-typedef struct {
-    int8_t *xq, *bt;
-    float *xs, *xg, *xst, *xgt;
-} amx_in_t;
-
-static amx_in_t amx_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int sums) {
-    const int64_t nb = K / QB, mg = (M + 15) / 16;
-    amx_in_t in;
-    in.xq = (int8_t *)malloc((size_t)(M * K));
-    in.xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
-    in.xg = sums ? (float *)malloc((size_t)(M * nb) * sizeof(float)) : NULL;
-    quantize_rows(x, x_bf16, M, K, QB, in.xq, in.xs, in.xg, NULL);
-    in.bt = (int8_t *)aligned_alloc(64, (size_t)(mg * nb * 512)); /* tile rows on cache lines */
-    memset(in.bt, 0, (size_t)(mg * nb * 512));
-    in.xst = (float *)calloc((size_t)(mg * nb * 16), sizeof(float));
-    in.xgt = sums ? (float *)calloc((size_t)(mg * nb * 16), sizeof(float)) : NULL;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < nb; b++) {
-            int8_t *tile = in.bt + ((m / 16) * nb + b) * 512;
-            const int8_t *src = in.xq + m * K + b * QB;
-            for (int64_t k = 0; k < QB; k += 4) memcpy(tile + (k / 4) * 64 + (m % 16) * 4, src + k, 4);
-            in.xst[((m / 16) * nb + b) * 16 + m % 16] = in.xs[m * nb + b];
-            if (sums) in.xgt[((m / 16) * nb + b) * 16 + m % 16] = in.xg[m * nb + b];
-        }
-    return in;
-}
-
-static void amx_inputs_free(amx_in_t *in) {
-    free(in->xq);
-    free(in->bt);
-    free(in->xs);
-    free(in->xg);
-    free(in->xst);
-    free(in->xgt);
-}
-
-/* acc[i] (lanes: input rows m0 .. m0 + 15) holds weight row n0 + i's sums, i < nrows (16 or 32): written as input
- * rows of nrows sums each (vector stores for float32 out), `rows` of them */
-static void amx_store(const __m512 *acc, int nrows, int64_t rows, int64_t m0, int64_t n0, const float *bias,
-                      const uint16_t *res, void *out, int out_bf16, int64_t ldo) {
-    float v[32][16], r[16][32] __attribute__((aligned(64)));
-    for (int i = 0; i < nrows; i++) _mm512_storeu_ps(v[i], acc[i]);
-    for (int64_t m = 0; m < rows; m++)
-        for (int i = 0; i < nrows; i++) r[m][i] = v[i][m];
-    for (int64_t m = 0; m < rows; m++) {
-        if (!out_bf16) {
-            float *o = (float *)out + (m0 + m) * ldo + n0;
-            for (int h = 0; h < nrows / 16; h++) {
-                __m512 y = _mm512_load_ps(r[m] + 16 * h);
-                if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + n0 + 16 * h));
-                _mm512_storeu_ps(o + 16 * h, y);
-            }
-        } else
-            for (int i = 0; i < nrows; i++) put(r[m][i], m0 + m, n0 + i, bias, res, out, out_bf16, ldo);
-    }
-}
 
 static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const int sgn, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
@@ -1783,6 +1920,18 @@ int qgemm_amx_on(void) {
 #endif
 }
 
+/* the VNNI batches (gemm_vnni) on or off for this process (benchmarks and tests compare the paths); returns
+ * whether they are on (0 where the build has no AVX-512 VNNI) */
+int qgemm_set_vnni(int on) {
+#ifdef WQ_TILES
+    vnni_state = on;
+    return vnni_state;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* AMX on or off for this process (tests take the other paths with it off); returns whether it is on */
 int qgemm_set_amx(int on) {
 #ifdef WQ_AMX
@@ -1830,6 +1979,12 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         gemm_q8(x, x_bf16, M, K, w, bits, scales, bias, res, out, out_bf16, ldo, N);
         return;
     }
+#ifdef WQ_TILES
+    if (act == ACT_AUTO && vnni_state && gemm_vnni_serves(bits, sgn, G, sfmt, mins_v)) { /* past the row paths */
+        gemm_vnni(x, x_bf16, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N);
+        return;
+    }
+#endif
 #ifdef WQ_AMX_BF16
     if (act == ACT_AUTO && M >= AMX_BF16Q_ROWS && gemm_amx_bf16q_serves(x_bf16, bits, sgn, G, sfmt) && amx_on()) {
         gemm_amx_bf16q((const uint16_t *)x, M, K, w, bits, G, scales, mins, bias, res, out, out_bf16, ldo, N);
