@@ -111,9 +111,9 @@ PANEL_ROWS = 6
 # 8-bit blocks), and takes the float32 paths from them on
 INT8_ROWS_K, INT8_ROWS_Q8 = 16, 12
 # where the CPU has AMX, auto takes the int8 tiles from these batch sizes instead (quant_kernels.c's AMX_ROWS_*); where
-# it has AVX-512 VNNI and no AMX, their vector counterpart (gemm_vnni) takes over from the row paths' limits
+# it has none, their vector counterparts (gemm_vnni with AVX-512 VNNI, gemm_i8v with AVX2) from the row paths' limits
 AMX_ROWS_K, AMX_ROWS_Q8 = 16, 3
-TILE_ROWS = {"amx": (AMX_ROWS_K, AMX_ROWS_Q8), "vnni": (INT8_ROWS_K, INT8_ROWS_Q8)}
+TILE_ROWS = {"amx": (AMX_ROWS_K, AMX_ROWS_Q8), "vectors": (INT8_ROWS_K, INT8_ROWS_Q8)}
 
 
 # qgemm's activation modes (quant.ACTIVATION_MODES)
@@ -127,8 +127,9 @@ def _eight_bit(w: QuantWeight) -> bool:
 
 
 def _tiles(lib) -> str | None:
-    """Which int8 batch kernel auto takes on this CPU: AMX tiles, AVX-512 VNNI vectors (the same sums), or none."""
-    return "amx" if lib.set_amx(True) else "vnni" if lib.set_vnni(True) else None
+    """Which int8 batch kernel auto takes on this CPU: AMX tiles, vectors (AVX-512 VNNI or AVX2: the same sums), or
+    none (the portable build)."""
+    return "amx" if lib.set_amx(True) else "vectors" if lib.set_int8_vectors(True) else None
 
 
 def _fewest_tile_rows(w: QuantWeight, tiles: str) -> int:
@@ -242,11 +243,11 @@ def test_packed_5_and_6_bit_blocks_give_what_the_same_values_as_bytes_give(kind,
 
 
 @needs_native
-@pytest.mark.parametrize("tiles", ["amx", "vnni"])
+@pytest.mark.parametrize("tiles", ["amx", "vectors"])
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_int8_tiles_give_each_row_the_integer_sums(kind, tiles):
     """Where the CPU has AMX, auto multiplies 8-bit blocks from 3 rows, and Q4_K, Q5_K and Q6_K from 16, by tiles;
-    where it has AVX-512 VNNI (AMX off or missing), by vectors that sum as the tiles do, from 12 and 16 rows: 33
+    elsewhere (or with AMX off), by vectors (AVX-512 VNNI or AVX2) that sum as the tiles do, from 12 and 16 rows: 33
     rows (two tile groups and a part) against 100 weight rows (three 32-row tasks and 4 rows past them) give each
     row, bias included, the products of its int8 activations (per 32) with the weights as the int8 mode sums them,
     within float32 rounding; each row the same bits in the fewest rows the tiles take; with AMX, for 8-bit blocks,
@@ -255,11 +256,11 @@ def test_int8_tiles_give_each_row_the_integer_sums(kind, tiles):
     torch rounds them."""
     if tiles == "amx" and not native.set_amx(True):
         pytest.skip("no AMX on this CPU (or the OS does not grant it)")
-    if tiles == "vnni":
+    if tiles == "vectors":
         native.set_amx(False)
-        if not native.set_vnni(True):
+        if not native.set_int8_vectors(True):
             native.set_amx(True)
-            pytest.skip("no AVX-512 VNNI on this CPU")
+            pytest.skip("no int8 vector kernels in this build")
     try:
         _check_tile_sums(kind, tiles)
     finally:
@@ -395,6 +396,10 @@ x, w = torch.randn(3, 1539), torch.randn(9, 1539)  # float32 weights too (cpu_ke
 torch.testing.assert_close(lib.linear_f32(x, w), torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5)
 assert torch.equal(lib.linear_f32(x[1:2], w), lib.linear_f32(x, w)[1:2])
 assert not kernels.cpu_has_native_bf16() or {variant!r} != "avx2"  # served as on a CPU that emulates bf16
+if {variant!r} == "avx2":  # the AVX2 int8 vectors sum as the tiles do
+    from test_quant import _check_tile_sums
+    for kind in ("Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"):
+        _check_tile_sums(kind, "vectors")
 print("build ok")
 """
     env = dict(os.environ, WAFERSCALE_NATIVE_KERNELS=variant, WAFERSCALE_CACHE_DIR=str(tmp_path))

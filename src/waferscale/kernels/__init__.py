@@ -145,8 +145,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qdequant.restype = None
     lib.qgemm_set_amx.argtypes = [ctypes.c_int]
     lib.qgemm_set_amx.restype = ctypes.c_int
-    lib.qgemm_set_vnni.argtypes = [ctypes.c_int]
-    lib.qgemm_set_vnni.restype = ctypes.c_int
+    lib.qgemm_set_int8_vectors.argtypes = [ctypes.c_int]
+    lib.qgemm_set_int8_vectors.restype = ctypes.c_int
     lib.gemm_bf16_tiles.argtypes = []
     lib.gemm_bf16_tiles.restype = ctypes.c_int
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
@@ -761,10 +761,11 @@ class NativeKernels:
         (tests of the other paths); returns whether it is in use."""
         return bool(self.lib.qgemm_set_amx(int(on)))
 
-    def set_vnni(self, on: bool) -> bool:
-        """Let qgemm multiply batches with AVX-512 VNNI where AMX does not take them (on, the default) or not
-        (tests and benchmarks compare the paths); returns whether they are on (False where the build has none)."""
-        return bool(self.lib.qgemm_set_vnni(int(on)))
+    def set_int8_vectors(self, on: bool) -> bool:
+        """Let qgemm multiply batches by int8 vector kernels (AVX-512 VNNI, else AVX2) where AMX does not take them
+        (on, the default) or not (tests and benchmarks compare the paths); returns whether they are on (False where
+        the build has neither)."""
+        return bool(self.lib.qgemm_set_int8_vectors(int(on)))
 
     def bf16_tiles(self) -> bool:
         """Whether batches of bf16 rows (from 17) multiply packed bf16 weights on AMX tiles: then packed panels

@@ -1157,10 +1157,8 @@ static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     free(xs);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define WQ_TILES 1
-/* What the int8 tiles (AMX) and their AVX-512 VNNI counterpart share: the input rows in the tile unit's
- * layout, the scaled sums written out, and the weight rows past the last whole task. */
+/* What the int8 tiles (AMX) and their vector counterparts (AVX-512 VNNI, AVX2) share: the input rows in the tile
+ * unit's layout, and the weight rows past the last whole task. */
 /* the integer sums of weight rows n0 .. n1 against every input row, one at a time, then scaled as the tiles' are:
  * the rows past the tiles' last whole task (plain C: at most 31 rows); scales per group of G (16 or 32) */
 static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t M, int64_t K, const uint8_t *w,
@@ -1253,6 +1251,8 @@ static void amx_inputs_free(amx_in_t *in) {
     free(in->xgt);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define WQ_TILES 1
 /* acc[i] (lanes: input rows m0 .. m0 + 15) holds weight row n0 + i's sums, i < nrows (16 or 32): written as input
  * rows of nrows sums each (vector stores for float32 out), `rows` of them */
 static void amx_store(const __m512 *acc, int nrows, int64_t rows, int64_t m0, int64_t n0, const float *bias,
@@ -1277,8 +1277,8 @@ static void amx_store(const __m512 *acc, int nrows, int64_t rows, int64_t m0, in
 /* Batches on CPUs with AVX-512 VNNI where AMX is missing (or off): what gemm_amx and gemm_amx16 compute, with
  * vpdpbusd on 512-bit vectors in place of the tile unit. The input rows are the tiles' B layout (16 rows a vector:
  * 4 bytes of each), the weights broadcast 4 bytes at a time; each block's integer dot is exact, then scaled and
- * added as the tiles' are (mins first, then the dot; for groups of 16, each half with its own scale), so a row gets
- * the tiles' very sums. vpdpbusd multiplies unsigned by signed bytes: signed weights go in as w + 128, and 128 times
+ * added in the tiles' order (mins first, then the dot; for groups of 16, each half with its own scale): the same
+ * sums within float32 rounding (the same bits for layouts without mins, on this machine's builds). vpdpbusd multiplies unsigned by signed bytes: signed weights go in as w + 128, and 128 times
  * the block's sum of x comes off. 16 weight rows a task, widened to bytes once for every group of input rows. */
 static int vnni_state = 1; /* on unless a test turns it off */
 
@@ -1405,6 +1405,138 @@ static void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     amx_inputs_free(&in);
 }
 
+#endif
+
+#if !defined(WQ_TILES)
+#define WQ_I8V 1
+/* Batches on AVX2 CPUs without AVX-512 VNNI: gemm_vnni's sums with 256-bit vpmaddubsw (unsigned x signed bytes into
+ * int16 pairs) and vpmaddwd, 8 input rows a vector. Unsigned weights go in as they are; signed ones as |w|, their
+ * signs moved onto x (vpsignb). Pairs are summed in int16 only where they cannot saturate: 4-bit and 5-bit weights
+ * (|w| <= 16) over a whole block, 6-bit (|w| <= 32) over half of one, 8-bit a step at a time. Each block's integer
+ * dot is exact, then scaled and added as gemm_vnni adds it (the same bits where the layout has no mins; those with
+ * mins within the last bit, the compiler fusing their products otherwise). */
+static int i8v_state = 1; /* on unless a test turns it off */
+
+static int gemm_i8v_serves(int bits, int sgn, int64_t G, int sfmt, const void *mins) {
+    if (gemm_q8_serves(bits, sgn, G, sfmt, mins)) return 1;
+    if (sfmt != SC_TWO_LEVEL) return 0;
+    return (G == QB && !sgn && (bits == 4 || bits == 8)) || (G == 16 && sgn && (bits == 8 || bits == 6) && !mins);
+}
+
+/* the integer dot of 4 weight bytes a step (wr: one block's 32 bytes, signed where sgn) with 8 input rows' x
+ * (xb: the block's B rows, 64 bytes apart, this half's 32), steps j0 .. j0 + 3 */
+static inline __attribute__((always_inline)) __m256i i8v_dot4(const int32_t *wr, const int8_t *xb, const int j0,
+                                                              const int sgn, const int per16) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s16 = _mm256_setzero_si256(), s32 = _mm256_setzero_si256();
+    for (int j = j0; j < j0 + 4; j++) {
+        const __m256i wb = _mm256_set1_epi32(wr[j]);
+        __m256i xv = _mm256_load_si256((const __m256i *)(xb + 64 * j));
+        __m256i p;
+        if (sgn) p = _mm256_maddubs_epi16(_mm256_abs_epi8(wb), _mm256_sign_epi8(xv, wb));
+        else p = _mm256_maddubs_epi16(wb, xv);
+        if (per16) s16 = _mm256_add_epi16(s16, p);
+        else s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(p, ones));
+    }
+    return per16 ? _mm256_madd_epi16(s16, ones) : s32;
+}
+
+static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                     const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                     const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+    const int64_t nb = K / QB, ng = K / G, mg = (M + 15) / 16, tasks = N / 16, row_bytes = row_bytes_of(bits, K);
+    const int g16 = G == 16;
+    /* pairs summed in int16 over a whole block (8 steps) or a half (4): 4-bit and 5-bit weights, 6-bit */
+    const int whole16 = bits == 4 || bits == 5, half16 = whole16 || bits == 6;
+    amx_in_t in = amx_inputs(x, x_bf16, M, K, wm != NULL);
+#pragma omp parallel
+    {
+        uint8_t *wide = (uint8_t *)aligned_alloc(64, (size_t)(16 * K)); /* the task's rows as bytes, [16][K] */
+        float *wsf = (float *)malloc((size_t)(16 * ng) * sizeof(float)); /* [16][ng] their scales */
+        float *wmf = wm ? (float *)malloc((size_t)(16 * ng) * sizeof(float)) : NULL;
+        float c[16][16]; /* [weight row][input row] a group's sums */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t n0 = 16 * t;
+            for (int i = 0; i < 16; i++) {
+                row_scales(ws, n0 + i, ng, wsf + i * ng);
+                if (wm) row_scales(wm, n0 + i, ng, wmf + i * ng);
+                const uint8_t *wr = w + (n0 + i) * row_bytes;
+                for (int64_t b = 0; b < nb; b++) {
+                    __m256i v;
+                    if (bits == 4) { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
+                        const __m128i q = _mm_loadu_si128((const __m128i *)(wr + b * 16));
+                        v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)),
+                                             _mm_and_si128(q, _mm_set1_epi8(0x0F)));
+                    } else if (bits == 8)
+                        v = _mm256_loadu_si256((const __m256i *)(wr + b * QB));
+                    else
+                        v = block_bytes(wr + b * BLOCK_BYTES(bits), bits, sgn);
+                    _mm256_store_si256((__m256i *)(wide + i * K + b * QB), v);
+                }
+            }
+            for (int64_t g0 = 0; g0 < mg; g0++) {
+                const int64_t m0 = 16 * g0, rows = M - m0 < 16 ? M - m0 : 16;
+                for (int h = 0; h < (rows > 8 ? 2 : 1); h++)
+                    for (int r0 = 0; r0 < 16; r0 += 4) {
+                        __m256 acc[4];
+                        for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+                        for (int64_t b = 0; b < nb; b++) {
+                            const int8_t *xb = in.bt + (g0 * nb + b) * 512 + 32 * h;
+                            const __m256 xsv = _mm256_loadu_ps(in.xst + (g0 * nb + b) * 16 + 8 * h);
+                            if (wm) {
+                                const __m256 xgv = _mm256_loadu_ps(in.xgt + (g0 * nb + b) * 16 + 8 * h);
+                                for (int r = 0; r < 4; r++)
+                                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wmf[(r0 + r) * ng + b]), xgv, acc[r]);
+                            }
+#pragma GCC unroll 4
+                            for (int r = 0; r < 4; r++) {
+                                const int32_t *wr = (const int32_t *)(wide + (r0 + r) * K + b * QB);
+                                if (g16) {
+                                    const float *sr = wsf + (r0 + r) * ng + 2 * b;
+                                    const __m256i d = i8v_dot4(wr, xb, 0, sgn, half16);
+                                    const __m256i e = i8v_dot4(wr, xb, 4, sgn, half16);
+                                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
+                                                             _mm256_mul_ps(_mm256_set1_ps(sr[0]), xsv), acc[r]);
+                                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e),
+                                                             _mm256_mul_ps(_mm256_set1_ps(sr[1]), xsv), acc[r]);
+                                } else {
+                                    __m256i d;
+                                    if (whole16) { /* all 8 steps' pairs in int16, then one widening */
+                                        const __m256i ones = _mm256_set1_epi16(1);
+                                        __m256i s16 = _mm256_setzero_si256();
+                                        for (int j = 0; j < 8; j++) {
+                                            const __m256i wb = _mm256_set1_epi32(wr[j]);
+                                            const __m256i xv = _mm256_load_si256((const __m256i *)(xb + 64 * j));
+                                            s16 = _mm256_add_epi16(
+                                                s16, sgn ? _mm256_maddubs_epi16(_mm256_abs_epi8(wb),
+                                                                                _mm256_sign_epi8(xv, wb))
+                                                         : _mm256_maddubs_epi16(wb, xv));
+                                        }
+                                        d = _mm256_madd_epi16(s16, ones);
+                                    } else
+                                        d = _mm256_add_epi32(i8v_dot4(wr, xb, 0, sgn, 0), i8v_dot4(wr, xb, 4, sgn, 0));
+                                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
+                                                             _mm256_mul_ps(_mm256_set1_ps(wsf[(r0 + r) * ng + b]), xsv),
+                                                             acc[r]);
+                                }
+                            }
+                        }
+                        for (int r = 0; r < 4; r++) _mm256_storeu_ps(c[r0 + r] + 8 * h, acc[r]);
+                    }
+                for (int64_t m = 0; m < rows; m++)
+                    for (int i = 0; i < 16; i++) put(c[i][m], m0 + m, n0 + i, bias, res, out, out_bf16, ldo);
+            }
+        }
+        free(wide);
+        free(wsf);
+        free(wmf);
+    }
+    if (tasks * 16 < N)
+        amx_tail(in.xq, in.xs, in.xg, M, K, w, bits, sgn, G, ws, wm, tasks * 16, N, bias, res, out, out_bf16, ldo,
+                 NULL);
+    amx_inputs_free(&in);
+}
 #endif
 
 #if defined(WQ_TILES) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
@@ -1920,12 +2052,15 @@ int qgemm_amx_on(void) {
 #endif
 }
 
-/* the VNNI batches (gemm_vnni) on or off for this process (benchmarks and tests compare the paths); returns
- * whether they are on (0 where the build has no AVX-512 VNNI) */
-int qgemm_set_vnni(int on) {
-#ifdef WQ_TILES
+/* the int8 vector batches (gemm_vnni with AVX-512 VNNI, else gemm_i8v with AVX2) on or off for this process
+ * (benchmarks and tests compare the paths); returns whether they are on (0 where the build has neither) */
+int qgemm_set_int8_vectors(int on) {
+#if defined(WQ_TILES)
     vnni_state = on;
     return vnni_state;
+#elif defined(WQ_I8V)
+    i8v_state = on;
+    return i8v_state;
 #else
     (void)on;
     return 0;
@@ -1982,6 +2117,12 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
 #ifdef WQ_TILES
     if (act == ACT_AUTO && vnni_state && gemm_vnni_serves(bits, sgn, G, sfmt, mins_v)) { /* past the row paths */
         gemm_vnni(x, x_bf16, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N);
+        return;
+    }
+#endif
+#ifdef WQ_I8V
+    if (act == ACT_AUTO && i8v_state && gemm_i8v_serves(bits, sgn, G, sfmt, mins_v)) {
+        gemm_i8v(x, x_bf16, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N);
         return;
     }
 #endif
