@@ -222,6 +222,33 @@ def test_mxfp4_kernel_matches_a_float_reference(tmp_path, monkeypatch, mode, int
         assert (out[:, :5] == 7).all() and (out[:, 45:] == 7).all()
 
 
+@pytest.mark.parametrize("mode", ["native", "avx2"])
+def test_mxfp4_int8_batches_give_the_row_paths_products(tmp_path, monkeypatch, mode):
+    """With int8 activations (per 32), batches from 16 rows go to the int8 tiles or vectors (AMX, AVX-512 VNNI or
+    AVX2, the e2m1 values widened through a table): 37 rows against 40 weight rows (two 16-row tasks and 8 past
+    them) give each row what the one-row kernel gives it (the same integer products, summed in another order)."""
+    from waferscale import kernels
+    from waferscale.models.quant.mxfp4 import Mxfp4Weight
+
+    monkeypatch.setenv("WAFERSCALE_NATIVE_KERNELS", "1" if mode == "native" else mode)
+    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_loaded", {})
+    native = kernels.load()
+    if native is None:
+        pytest.skip("native kernels could not be built here")
+    blocks, scales = _random_blocks(40, 256, seed=3)
+    w = Mxfp4Weight.from_blocks(blocks, scales, interleaved=True)
+    x, bias = torch.randn(37, 256, generator=torch.Generator().manual_seed(4)), torch.randn(40)
+    batch = torch.empty(37, 40)
+    native.mxfp4_gemm(x, w, batch, bias, act=1)
+    for r in (0, 15, 16, 36):
+        one = torch.empty(1, 40)
+        native.mxfp4_gemm(x[r : r + 1].contiguous(), w, one, bias, act=1)
+        assert ((one[0] - batch[r]).norm() / one[0].norm()) < 1e-5, r
+    want = x.double() @ _reference_mxfp4(blocks, scales).double().T + bias.double()
+    assert ((batch.double() - want).norm() / want.norm()) < 0.03  # and int8 activations stay close
+
+
 def _save_as_mxfp4(ref, folder) -> None:
     """Rewrite a saved folder's experts in the released layout (`*_blocks` [E, N, K / 32, 16], `*_scales`
     [E, N, K / 32], rows as the checkpoints order them: gate/up interleaved), and set transformers' experts to the

@@ -283,7 +283,7 @@ static inline float mx_bf16_f32(uint16_t h) {
     return f;
 }
 
-#define MX_TILE_ROWS 16 /* batches from this many rows take AMX tiles where they are on */
+#define MX_TILE_ROWS 16 /* batches from this many rows take AMX tiles, else the int8 vectors (VNNI or AVX2) */
 int qgemm_mxfp4_tiles(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint8_t *e, const float *bias,
                       const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N);
 
@@ -309,7 +309,8 @@ void mxfp4_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *
             }
     }
     const float *xs = xf ? xf : (const float *)x;
-    /* batches on AMX tiles where they are on (quant_kernels.c's gemm_amx, which rounds x to int8 itself) */
+    /* batches on AMX tiles or int8 vectors (quant_kernels.c's gemm_amx, gemm_vnni, gemm_i8v: they round x to int8
+     * themselves) */
     if (int8_act && m >= MX_TILE_ROWS && qgemm_mxfp4_tiles(xs, m, k, q, e, bias, res, out, out_bf16, ldo, n)) {
         free(xf);
         return;

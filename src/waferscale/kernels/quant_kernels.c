@@ -1340,7 +1340,7 @@ static inline __attribute__((always_inline)) void vnni_rows8(const uint8_t *wide
 
 static void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                       const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
-                      const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+                      const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
     const int64_t nb = K / QB, ng = K / G, mg = (M + 15) / 16, tasks = N / 16, row_bytes = row_bytes_of(bits, K);
     const int g16 = G == 16;
     amx_in_t in = amx_inputs(x, x_bf16, M, K, wm != NULL);
@@ -1363,6 +1363,7 @@ static void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uin
         float *wsf = (float *)malloc((size_t)(16 * ng) * sizeof(float)); /* [16][ng] their scales */
         float *wmf = wm ? (float *)malloc((size_t)(16 * ng) * sizeof(float)) : NULL;
         const __m256i flip = _mm256_set1_epi8((char)0x80);
+        const __m128i tab = table ? _mm_loadu_si128((const __m128i *)table) : _mm_setzero_si128();
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 16 * t;
@@ -1374,8 +1375,10 @@ static void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uin
                     __m256i v;
                     if (bits == 4) { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
                         const __m128i q = _mm_loadu_si128((const __m128i *)(wr + b * 16));
-                        v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)),
-                                             _mm_and_si128(q, _mm_set1_epi8(0x0F)));
+                        __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));
+                        __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
+                        if (table) lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi); /* signed values */
+                        v = _mm256_set_m128i(hi, lo);
                     } else if (bits == 8)
                         v = _mm256_loadu_si256((const __m256i *)(wr + b * QB));
                     else
@@ -1400,7 +1403,7 @@ static void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     }
     if (tasks * 16 < N)
         amx_tail(in.xq, in.xs, in.xg, M, K, w, bits, sgn, G, ws, wm, tasks * 16, N, bias, res, out, out_bf16, ldo,
-                 NULL);
+                 table);
     free(c128);
     amx_inputs_free(&in);
 }
@@ -1443,7 +1446,7 @@ static inline __attribute__((always_inline)) __m256i i8v_dot4(const int32_t *wr,
 
 static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
-                     const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+                     const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
     const int64_t nb = K / QB, ng = K / G, mg = (M + 15) / 16, tasks = N / 16, row_bytes = row_bytes_of(bits, K);
     const int g16 = G == 16;
     /* pairs summed in int16 over a whole block (8 steps) or a half (4): 4-bit and 5-bit weights, 6-bit */
@@ -1455,6 +1458,7 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
         float *wsf = (float *)malloc((size_t)(16 * ng) * sizeof(float)); /* [16][ng] their scales */
         float *wmf = wm ? (float *)malloc((size_t)(16 * ng) * sizeof(float)) : NULL;
         float c[16][16]; /* [weight row][input row] a group's sums */
+        const __m128i tab = table ? _mm_loadu_si128((const __m128i *)table) : _mm_setzero_si128();
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 16 * t;
@@ -1466,8 +1470,10 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                     __m256i v;
                     if (bits == 4) { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
                         const __m128i q = _mm_loadu_si128((const __m128i *)(wr + b * 16));
-                        v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)),
-                                             _mm_and_si128(q, _mm_set1_epi8(0x0F)));
+                        __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));
+                        __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
+                        if (table) lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi); /* signed values */
+                        v = _mm256_set_m128i(hi, lo);
                     } else if (bits == 8)
                         v = _mm256_loadu_si256((const __m256i *)(wr + b * QB));
                     else
@@ -1534,7 +1540,7 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     }
     if (tasks * 16 < N)
         amx_tail(in.xq, in.xs, in.xg, M, K, w, bits, sgn, G, ws, wm, tasks * 16, N, bias, res, out, out_bf16, ldo,
-                 NULL);
+                 table);
     amx_inputs_free(&in);
 }
 #endif
@@ -2026,18 +2032,31 @@ static void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_
 #endif
 
 /* MXFP4 blocks (mxfp4_kernels.c's batches, GGUF's nibble order: byte j holds weights j and j + 16; e8m0 scales
- * against the doubled e2m1 values) on the tiles where they are on, as gemm_amx takes 4-bit blocks with the e2m1
- * table widening them to signed bytes; x float32 [M, K], rounded to int8 per 32. Returns whether it ran (0 without
- * the tiles). */
+ * against the doubled e2m1 values) on the tiles where they are on, else on the int8 vectors (gemm_vnni, gemm_i8v),
+ * 4-bit blocks widened to signed bytes through the e2m1 table; x float32 [M, K], rounded to int8 per 32. Returns
+ * whether it ran (0 without either, or with them off). */
 int qgemm_mxfp4_tiles(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint8_t *e, const float *bias,
                       const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
-#ifdef WQ_AMX
+#ifdef WQ_AVX2
     static const int8_t MX_TABLE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    const sc_t ws = sc_of(e, NULL, SC_E8M0, 1, QB);
+#ifdef WQ_AMX
     if (amx_on()) {
-        const sc_t ws = sc_of(e, NULL, SC_E8M0, 1, QB);
         gemm_amx(x, 0, M, K, q, 4, 1, &ws, NULL, bias, res, out, out_bf16, ldo, N, MX_TABLE);
         return 1;
     }
+#endif
+#if defined(WQ_TILES)
+    if (vnni_state) { /* the same sums on vectors */
+        gemm_vnni(x, 0, M, K, q, 4, 1, QB, &ws, NULL, bias, res, out, out_bf16, ldo, N, MX_TABLE);
+        return 1;
+    }
+#elif defined(WQ_I8V)
+    if (i8v_state) {
+        gemm_i8v(x, 0, M, K, q, 4, 1, QB, &ws, NULL, bias, res, out, out_bf16, ldo, N, MX_TABLE);
+        return 1;
+    }
+#endif
 #endif
     (void)x, (void)M, (void)K, (void)q, (void)e, (void)bias, (void)res, (void)out, (void)out_bf16, (void)ldo, (void)N;
     return 0;
@@ -2116,13 +2135,13 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
     }
 #ifdef WQ_TILES
     if (act == ACT_AUTO && vnni_state && gemm_vnni_serves(bits, sgn, G, sfmt, mins_v)) { /* past the row paths */
-        gemm_vnni(x, x_bf16, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N);
+        gemm_vnni(x, x_bf16, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N, NULL);
         return;
     }
 #endif
 #ifdef WQ_I8V
     if (act == ACT_AUTO && i8v_state && gemm_i8v_serves(bits, sgn, G, sfmt, mins_v)) {
-        gemm_i8v(x, x_bf16, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N);
+        gemm_i8v(x, x_bf16, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N, NULL);
         return;
     }
 #endif
