@@ -1251,6 +1251,36 @@ static void amx_inputs_free(amx_in_t *in) {
     free(in->xgt);
 }
 
+/* weight rows n0 .. n0 + 15 as the vector kernels read them: their values a byte each in wide [16][K] (4-bit
+ * blocks widened, through `table` where the layout has one; signed ones + 128 where plus128), their scales in wsf
+ * and mins in wmf (or none) [16][ng] */
+static void stage_rows(const uint8_t *w, const int bits, const int sgn, int64_t row_bytes, int64_t K,
+                       const int8_t *table, const sc_t *ws, const sc_t *wm, int64_t ng, int64_t n0, int plus128,
+                       uint8_t *wide, float *wsf, float *wmf) {
+    const int64_t nb = K / QB;
+    const __m128i tab = table ? _mm_loadu_si128((const __m128i *)table) : _mm_setzero_si128();
+    for (int i = 0; i < 16; i++) {
+        row_scales(ws, n0 + i, ng, wsf + i * ng);
+        if (wm) row_scales(wm, n0 + i, ng, wmf + i * ng);
+        const uint8_t *wr = w + (n0 + i) * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i v;
+            if (bits == 4) { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
+                const __m128i q = _mm_loadu_si128((const __m128i *)(wr + b * 16));
+                __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
+                if (table) lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi); /* signed values */
+                v = _mm256_set_m128i(hi, lo);
+            } else if (bits == 8)
+                v = _mm256_loadu_si256((const __m256i *)(wr + b * QB));
+            else
+                v = block_bytes(wr + b * BLOCK_BYTES(bits), bits, sgn);
+            if (sgn && plus128) v = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+            _mm256_store_si256((__m256i *)(wide + i * K + b * QB), v);
+        }
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define WQ_TILES 1
 /* acc[i] (lanes: input rows m0 .. m0 + 15) holds weight row n0 + i's sums, i < nrows (16 or 32): written as input
@@ -1362,31 +1392,10 @@ static void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uin
         uint8_t *wide = (uint8_t *)aligned_alloc(64, (size_t)(16 * K)); /* the task's rows as bytes, [16][K] */
         float *wsf = (float *)malloc((size_t)(16 * ng) * sizeof(float)); /* [16][ng] their scales */
         float *wmf = wm ? (float *)malloc((size_t)(16 * ng) * sizeof(float)) : NULL;
-        const __m256i flip = _mm256_set1_epi8((char)0x80);
-        const __m128i tab = table ? _mm_loadu_si128((const __m128i *)table) : _mm_setzero_si128();
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 16 * t;
-            for (int i = 0; i < 16; i++) {
-                row_scales(ws, n0 + i, ng, wsf + i * ng);
-                if (wm) row_scales(wm, n0 + i, ng, wmf + i * ng);
-                const uint8_t *wr = w + (n0 + i) * row_bytes;
-                for (int64_t b = 0; b < nb; b++) {
-                    __m256i v;
-                    if (bits == 4) { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
-                        const __m128i q = _mm_loadu_si128((const __m128i *)(wr + b * 16));
-                        __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));
-                        __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
-                        if (table) lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi); /* signed values */
-                        v = _mm256_set_m128i(hi, lo);
-                    } else if (bits == 8)
-                        v = _mm256_loadu_si256((const __m256i *)(wr + b * QB));
-                    else
-                        v = block_bytes(wr + b * BLOCK_BYTES(bits), bits, sgn);
-                    if (sgn) v = _mm256_xor_si256(v, flip);
-                    _mm256_store_si256((__m256i *)(wide + i * K + b * QB), v);
-                }
-            }
+            stage_rows(w, bits, sgn, row_bytes, K, table, ws, wm, ng, n0, 1, wide, wsf, wmf);
             for (int64_t g0 = 0; g0 < mg; g0++) {
                 __m512 acc[16];
                 for (int h = 0; h < 2; h++)
@@ -1458,29 +1467,10 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
         float *wsf = (float *)malloc((size_t)(16 * ng) * sizeof(float)); /* [16][ng] their scales */
         float *wmf = wm ? (float *)malloc((size_t)(16 * ng) * sizeof(float)) : NULL;
         float c[16][16]; /* [weight row][input row] a group's sums */
-        const __m128i tab = table ? _mm_loadu_si128((const __m128i *)table) : _mm_setzero_si128();
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 16 * t;
-            for (int i = 0; i < 16; i++) {
-                row_scales(ws, n0 + i, ng, wsf + i * ng);
-                if (wm) row_scales(wm, n0 + i, ng, wmf + i * ng);
-                const uint8_t *wr = w + (n0 + i) * row_bytes;
-                for (int64_t b = 0; b < nb; b++) {
-                    __m256i v;
-                    if (bits == 4) { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
-                        const __m128i q = _mm_loadu_si128((const __m128i *)(wr + b * 16));
-                        __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));
-                        __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
-                        if (table) lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi); /* signed values */
-                        v = _mm256_set_m128i(hi, lo);
-                    } else if (bits == 8)
-                        v = _mm256_loadu_si256((const __m256i *)(wr + b * QB));
-                    else
-                        v = block_bytes(wr + b * BLOCK_BYTES(bits), bits, sgn);
-                    _mm256_store_si256((__m256i *)(wide + i * K + b * QB), v);
-                }
-            }
+            stage_rows(w, bits, sgn, row_bytes, K, table, ws, wm, ng, n0, 0, wide, wsf, wmf);
             for (int64_t g0 = 0; g0 < mg; g0++) {
                 const int64_t m0 = 16 * g0, rows = M - m0 < 16 ? M - m0 : 16;
                 for (int h = 0; h < (rows > 8 ? 2 : 1); h++)
