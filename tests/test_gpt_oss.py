@@ -192,20 +192,26 @@ def test_mxfp4_quantizer_round_trips_in_both_nibble_orders():
     assert torch.equal(quantize_mxfp4(a.dequantize(), interleaved=True).dequantize(), a.dequantize())
 
 
+def _kernels_built(monkeypatch, mode: str):
+    """The native kernels as WAFERSCALE_NATIVE_KERNELS builds them for `mode` (native, portable, avx2), loaded
+    afresh for this test; skips where they cannot be built."""
+    monkeypatch.setenv("WAFERSCALE_NATIVE_KERNELS", "1" if mode == "native" else mode)
+    monkeypatch.setattr(kernels, "_loaded", {})
+    native = kernels.load()
+    if native is None:
+        pytest.skip("native kernels could not be built here")
+    return native
+
+
 @pytest.mark.parametrize("mode", ["native", "portable"])
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_mxfp4_kernel_matches_a_float_reference(tmp_path, monkeypatch, mode, interleaved):
     """The native kernel on random blocks against the same weights dequantized, for 1 row (a decode step's dot
     product), 3, 8 and 37 rows, with a bias and as columns of a wider output; the AVX2 build and the plain-C one
     (WAFERSCALE_NATIVE_KERNELS=portable, as on a CPU without AVX2)."""
-    from waferscale import kernels
     from waferscale.models.quant.mxfp4 import Mxfp4Weight, quantize_mxfp4
 
-    monkeypatch.setenv("WAFERSCALE_NATIVE_KERNELS", "1" if mode == "native" else mode)
-    monkeypatch.setattr(kernels, "_loaded", {})
-    native = kernels.load()
-    if native is None:
-        pytest.skip("native kernels could not be built here")
+    native = _kernels_built(monkeypatch, mode)
     blocks, scales = _random_blocks(40, 256, seed=2)
     w = Mxfp4Weight.from_blocks(blocks, scales, interleaved=True)
     if not interleaved:  # the same values in GGUF's nibble order
@@ -223,19 +229,13 @@ def test_mxfp4_kernel_matches_a_float_reference(tmp_path, monkeypatch, mode, int
 
 
 @pytest.mark.parametrize("mode", ["native", "avx2"])
-def test_mxfp4_int8_batches_give_the_row_paths_products(tmp_path, monkeypatch, mode):
+def test_mxfp4_int8_batches_give_the_row_paths_products(monkeypatch, mode):
     """With int8 activations (per 32), batches from 16 rows go to the int8 tiles or vectors (AMX, AVX-512 VNNI or
     AVX2, the e2m1 values widened through a table): 37 rows against 40 weight rows (two 16-row tasks and 8 past
     them) give each row what the one-row kernel gives it (the same integer products, summed in another order)."""
-    from waferscale import kernels
     from waferscale.models.quant.mxfp4 import Mxfp4Weight
 
-    monkeypatch.setenv("WAFERSCALE_NATIVE_KERNELS", "1" if mode == "native" else mode)
-    monkeypatch.setenv("WAFERSCALE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernels, "_loaded", {})
-    native = kernels.load()
-    if native is None:
-        pytest.skip("native kernels could not be built here")
+    native = _kernels_built(monkeypatch, mode)
     blocks, scales = _random_blocks(40, 256, seed=3)
     w = Mxfp4Weight.from_blocks(blocks, scales, interleaved=True)
     x, bias = torch.randn(37, 256, generator=torch.Generator().manual_seed(4)), torch.randn(40)
@@ -483,14 +483,9 @@ def test_mxfp4_kernel_with_int8_activations_matches_its_reference(monkeypatch, m
     """With activations rounded to int8 per block of 32 (act=1, and the default auto), the kernel gives exactly
     the products of the rounded rows (summed in float32), in both builds and both nibble orders; 10 blocks a row,
     so that AVX-512's groups of 4 blocks leave 2 to the 256-bit steps."""
-    from waferscale import kernels
     from waferscale.models.quant.mxfp4 import Mxfp4Weight, quantize_mxfp4
 
-    monkeypatch.setenv("WAFERSCALE_NATIVE_KERNELS", "1" if mode == "native" else mode)
-    monkeypatch.setattr(kernels, "_loaded", {})
-    native = kernels.load()
-    if native is None:
-        pytest.skip("native kernels could not be built here")
+    native = _kernels_built(monkeypatch, mode)
     blocks, scales = _random_blocks(40, 320, seed=4)
     interleaved = Mxfp4Weight.from_blocks(blocks, scales, interleaved=True)
     gguf_order = quantize_mxfp4(interleaved.dequantize(), interleaved=False)
