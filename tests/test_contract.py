@@ -231,7 +231,11 @@ def test_sdk_raises_the_matching_exception_for_each_status(cerebras, server):
         cerebras.completions.create(model=MODEL, prompt=PROMPT, temperature=3)
     with pytest.raises(sdk.InternalServerError):
         cerebras.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=5, extra_headers={"X-Waferscale-Fault-After": "2"}
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=5,
+            temperature=0,  # greedy: a sampled end of text in the first two tokens would end it before the fault
+            extra_headers={"X-Waferscale-Fault-After": "2"},
         )
     for content, ctype, status in ((b"{}", "text/plain", 415), (b"x" * 10, "application/json", 400)):
         r = httpx.post(server.url + "/v1/completions", content=content, headers={"content-type": ctype})

@@ -1,6 +1,7 @@
 """The int8 KV cache's attention: the native kernels and the PyTorch fallback read an int8 pool as the same
 attention over its dequantized values (decode rows and a prefill chunk, with a sliding window and sink logits),
-a fused decode stores the very bytes the PyTorch path stores, and the pool counts its scales.
+a fused decode stores the very bytes the PyTorch path stores, and the pool counts its scales. A bf16 pool read in
+float32 (CPUs without bf16 arithmetic) is attention over its stored values.
 
 Accuracy on the built-in model (bf16): over a fixed prompt set (windows of tests/data/kv_int8_text.md), each prompt
 prefilled in chunks that read the earlier ones back from the pool and its last tokens fed one decode step at a time
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from waferscale import kernels
-from waferscale.engine import kv_int8
+from waferscale.engine import kv_cache, kv_int8
 from waferscale.engine.kv_cache import KVGroup, KVPool, PagedBatch
 from waferscale.engine.llm_engine import kv_cache_dtypes
 from waferscale.models import load_model
@@ -94,6 +95,47 @@ def test_native_and_pytorch_read_int8_as_attention_over_the_dequantized_values(w
     _history(exact)
     diff = (paged_attention(_plan(exact, False), 0, q, k, v, d**-0.5, window, sink) - want).abs().max().item()
     assert 1e-4 < diff < 0.1
+
+
+@needs_native
+@pytest.mark.parametrize("window,sinks", [(None, False), (24, True)])
+def test_a_bf16_pool_read_in_float32_is_attention_over_the_rounded_values(window, sinks):
+    """As CPUs without bf16 arithmetic serve it (kv_cache_dtypes' auto there): the pool stores bf16, and the native
+    kernels and the PyTorch path compute in float32 over exactly the stored values."""
+    d = 64
+    q, k, v = _step(d)
+    sink = torch.randn(H) if sinks else None
+    outs = {}
+    for name, use_native in (("native", True), ("pytorch", False)):
+        pool = _pool(torch.bfloat16, d)
+        assert pool.layer_kv(0).compute_dtype == torch.float32
+        _history(pool)
+        outs[name] = paged_attention(_plan(pool, use_native), 0, q, k, v, d**-0.5, window, sink)
+        assert outs[name].dtype == torch.float32
+    ref_pool = _pool(torch.float32, d)
+    ref_pool.k[0], ref_pool.v[0] = pool.k[0].float(), pool.v[0].float()
+    rounded = [x.bfloat16().float() for x in (k, v)]
+    want = paged_attention(_plan(ref_pool, False), 0, q, *rounded, d**-0.5, window, sink)
+    torch.testing.assert_close(outs["native"], want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(outs["pytorch"], want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "native_bf16,kv,want",
+    [
+        (True, "auto", (torch.bfloat16, torch.bfloat16)),
+        (False, "auto", (torch.bfloat16, torch.float32)),  # half the bytes of a float32 pool, read as float32
+        (False, "bfloat16", (torch.bfloat16, torch.float32)),
+        (False, "int8", (torch.int8, torch.float32)),
+        (True, "float32", (torch.float32, torch.float32)),
+    ],
+)
+def test_the_pool_keeps_the_models_dtype_and_computes_in_float32_without_bf16_arithmetic(
+    monkeypatch, native_bf16, kv, want
+):
+    monkeypatch.setattr(kv_cache, "cpu_has_native_bf16", lambda: native_bf16)
+    assert kv_cache_dtypes(kv, torch.bfloat16) == want
+    assert kv_cache_dtypes("auto", torch.float32) == (torch.float32, torch.float32)
 
 
 def test_an_int8_pool_counts_its_scales_and_holds_about_twice_the_tokens_of_bfloat16():

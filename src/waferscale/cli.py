@@ -211,8 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         choices=["auto", "bfloat16", "float32", "int8"],
         default="auto",
-        help="how keys and values are stored: auto (default) the model's dtype where the CPU has bf16 arithmetic, "
-        "else float32; int8: one byte a value plus a float32 scale per token, KV head and 64 channels, 1.88x the "
+        help="how keys and values are stored: auto (default) the model's dtype (read as float32 where the CPU has "
+        "no bf16 arithmetic); int8: one byte a value plus a float32 scale per token, KV head and 64 channels, 1.88x the "
         "tokens of bfloat16 in the same --kv-cache-memory (docs/models.md)",
     )
     serve.add_argument(

@@ -19,13 +19,12 @@ import torch
 
 from waferscale import kernels
 from waferscale.engine.block_manager import BlockManager
-from waferscale.engine.kv_cache import KVLayout, KVPool
+from waferscale.engine.kv_cache import KVLayout, KVPool, kv_cache_dtypes
 from waferscale.engine.model_runner import ModelRunner
 from waferscale.engine.params import SamplingParams
 from waferscale.engine.scheduler import ScheduledBatch
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import AdaptiveK, SpeculativeConfig
-from waferscale.kernels import cpu_has_native_bf16
 from waferscale.models.loader import LoadedModel
 from waferscale.models.source import ModelLoadError
 
@@ -119,7 +118,7 @@ class DraftModel:
         self.loaded, self.speculative = loaded, speculative
         self.model = loaded.model
         cfg = loaded.config
-        kv_dtype = loaded.dtype if cpu_has_native_bf16() else torch.float32
+        kv_dtype, compute_dtype = kv_cache_dtypes("auto", loaded.dtype)
         layout = KVLayout(tuple(cfg.window(i) for i in range(cfg.num_layers)))
         per_page = KVPool.bytes_per_block(
             layout.group_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, block_size
@@ -128,7 +127,14 @@ class DraftModel:
         num_pages = max(1 + max(k.pages for k in kinds), kv_cache_bytes // per_page)
         native = kernels.load() if kv_dtype in (torch.float32, torch.bfloat16) else None
         self.pool = KVPool(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, num_pages, block_size, layout.windows
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            kv_dtype,
+            num_pages,
+            block_size,
+            layout.windows,
+            compute_dtype,
         )
         self.blocks = BlockManager(num_pages, block_size, False, kinds)
         self.runner = ModelRunner(self.model, self.pool, native, self.blocks)

@@ -11,6 +11,7 @@ import torch
 
 from waferscale.engine import kv_int8
 from waferscale.engine.block_manager import BlockKind
+from waferscale.kernels import cpu_has_native_bf16
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class LayerKV:
 
     def gather(self, pages: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of these pages in order, [len(pages) * block_size, kv_heads, head_dim] each, in
-        compute_dtype (an int8 pool's pages dequantized on the way: only the pages read)."""
+        compute_dtype (an int8 pool's pages dequantized, a bf16 pool's widened, on the way)."""
         # whole blocks are gathered with index_select (contiguous rows): an order of magnitude faster than advanced
         # indexing, which copies element by element
         heads, dim = self.k.shape[1], self.k.shape[2]
@@ -93,8 +94,25 @@ class LayerKV:
                 n = scales.shape[-1]
                 s = scales.view(-1, block_size * heads * n).index_select(0, pages).view(-1, heads, n)
                 rows = kv_int8.dequantize(rows, s, self.compute_dtype)
-            out.append(rows)
+            out.append(rows.to(self.compute_dtype))  # a bf16 pool read in float32: only the pages read
         return out[0], out[1]
+
+
+def kv_cache_dtypes(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """The KV pool's storage dtype and the dtype attention computes in, for --kv-cache-dtype. auto: stored in the
+    model's dtype; attention computes in it where the CPU multiplies bf16 natively, else in float32 (several times
+    faster there; the kernels widen bf16 rows as they read them, so the pool holds as many tokens as where bf16 is
+    native); bfloat16 likewise; int8: int8 with scales, read in auto's compute dtype; float32: float32 throughout."""
+    compute = model_dtype if cpu_has_native_bf16() else torch.float32
+    if kv_cache_dtype == "auto":
+        return model_dtype, compute
+    if kv_cache_dtype == "int8":
+        return torch.int8, compute
+    if kv_cache_dtype == "bfloat16":
+        return torch.bfloat16, compute
+    if kv_cache_dtype == "float32":
+        return torch.float32, torch.float32
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of auto, bfloat16, float32, int8")
 
 
 class KVPool:

@@ -20,7 +20,7 @@ from waferscale.engine.draft_model import DRAFT_KV_FRACTION, DraftModel, check_s
 from waferscale.engine.errors import ErrorKind, RequestError, internal_error
 from waferscale.engine.faults import FaultHooks
 from waferscale.engine.grammar import GrammarError, GrammarMasks
-from waferscale.engine.kv_cache import KVLayout, KVPool, StepInterrupted
+from waferscale.engine.kv_cache import KVLayout, KVPool, StepInterrupted, kv_cache_dtypes
 from waferscale.engine.metrics import EngineStats
 from waferscale.engine.model_runner import ModelRunner
 from waferscale.engine.output_processor import OutputProcessor
@@ -30,26 +30,10 @@ from waferscale.engine.scheduler import ScheduledBatch, Scheduler
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import SpeculativeConfig
 from waferscale.engine.thread_governor import ThreadGovernor
-from waferscale.kernels import cpu_has_native_bf16
 from waferscale.models.loader import LoadedModel
 
 log = logging.getLogger("waferscale.engine")
 DEFAULT_KV_CACHE_BYTES = 512 << 20
-
-
-def kv_cache_dtypes(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
-    """The KV pool's storage dtype and the dtype attention computes in, for --kv-cache-dtype. auto: the model's
-    dtype where the CPU multiplies bf16 natively, else float32 (several times faster there); int8: int8 with scales,
-    read in auto's dtype."""
-    auto = model_dtype if cpu_has_native_bf16() else torch.float32
-    if kv_cache_dtype == "auto":
-        return auto, auto
-    if kv_cache_dtype == "int8":
-        return torch.int8, auto
-    if kv_cache_dtype in ("bfloat16", "float32"):
-        dtype = getattr(torch, kv_cache_dtype)
-        return dtype, dtype
-    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of auto, bfloat16, float32, int8")
 
 
 class LLMEngine:
