@@ -150,7 +150,8 @@ def _tile_rows(w: QuantWeight, act: int, rows: int, tiles: str | None) -> bool:
 
 
 def _int8_block(w: QuantWeight, act: int, rows: int, tiles: str | None = None) -> int | None:
-    """The block over which a mode rounds activations to int8 for this weight and batch, or None (float32)."""
+    """The block over which a mode rounds activations to int8 for this weight and batch, or None (float32, or
+    int16: _int16_rows)."""
     if act == INT8 or _tile_rows(w, act, rows, tiles):
         return 32
     if act != AUTO or not native_avx2():
@@ -158,6 +159,13 @@ def _int8_block(w: QuantWeight, act: int, rows: int, tiles: str | None = None) -
     if w.scale_format == 2 and w.in_features % 256 == 0:  # the K-quants: per 256, integer sums over each super-block
         return 256 if rows < INT8_ROWS_K else None
     return 32 if _eight_bit(w) and rows < INT8_ROWS_Q8 else None
+
+
+def _int16_rows(w: QuantWeight, act: int, rows: int) -> bool:
+    """Whether auto rounds this batch's activations to int16 per 32 (gemm_i16): one-level unsigned blocks of 32
+    (with mins), 4-bit (Q4_0, Q4_1, int4 where not two-level) or Q5_1's (in 5 bits or a byte), below PANEL_ROWS."""
+    one_level = w.scale_format != 2 and w.group == 32 and not w.signed and w.bits in (4, 5, 8)
+    return act == AUTO and native_avx2() and one_level and rows < PANEL_ROWS
 
 
 def native_avx2() -> bool:
@@ -172,11 +180,17 @@ def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
         want = x @ dense.T
         y, one = torch.empty(rows, w.out_features), torch.empty(1, w.out_features)
         for act in (FLOAT32, INT8, AUTO):
-            block = _int8_block(w, act, rows, tiles)
+            block, levels = _int8_block(w, act, rows, tiles), 127
+            if _int16_rows(w, act, rows):
+                block, levels = 32, 32767
             lib.qgemm(x, w, y, act=act)
             # each row's result does not depend on the others in the batch (within one path)
             lib.qgemm(x[-1:].contiguous(), w, one, act=act)
-            alone_same_path = _int8_block(w, act, 1) == block  # auto: 17 rows are float32, 1 is int8
+            # auto: 17 rows are float32, 1 is int8 (or int16)
+            alone_same_path = (_int8_block(w, act, 1), _int16_rows(w, act, 1)) == (
+                _int8_block(w, act, rows, tiles),
+                _int16_rows(w, act, rows),
+            )
             if _tile_rows(w, act, rows, tiles):  # the tiles: the fewest rows that take them too
                 fewest = _fewest_tile_rows(w, tiles)
                 part = torch.empty(fewest, w.out_features)
@@ -196,12 +210,12 @@ def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
             if block is None:  # float32 activations: float32 rounding only
                 assert ((y - want).norm() / want.norm()) < 1e-5
                 continue
-            # activations rounded to int8 per block (step max|x| / 127 over the block): each product is off by at
-            # most half a step times |w|, the bound below (plus float32 rounding)
-            step = x.abs().view(rows, -1, block).amax(-1, keepdim=True).expand(-1, -1, block).reshape(rows, -1) / 127
-            bound = (step / 2) @ dense.abs().T
+            # activations rounded to int8 (int16) per block (step max|x| / 127 (32767) over the block): each product
+            # is off by at most half a step times |w|, the bound below (plus float32 rounding)
+            step = x.abs().view(rows, -1, block).amax(-1, keepdim=True).expand(-1, -1, block).reshape(rows, -1)
+            bound = (step / levels / 2) @ dense.abs().T
             assert ((y - want).abs() <= bound * 1.001 + 1e-5).all(), (rows, act)
-            assert ((y - want).norm() / want.norm()) < 0.03
+            assert ((y - want).norm() / want.norm()) < (0.03 if levels == 127 else 1e-4)
         lib.qgemm(x.bfloat16(), w, y)  # bf16 rows are read as they are
         torch.testing.assert_close(y, x.bfloat16().float() @ dense.T, rtol=1e-4, atol=1e-4)
 

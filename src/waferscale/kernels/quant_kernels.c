@@ -28,7 +28,8 @@
  *       8-bit blocks from AMX_ROWS_Q8 (3) rows and the two-level layouts (Q4_K, Q5_K, Q6_K) from AMX_ROWS_K (16)
  *       with activations per 32 by int8 tiles (gemm_amx, gemm_amx16), 8-bit blocks below 3 rows by q8_exact (the
  *       tiles' sums row by row), and from AMX_BF16Q_ROWS (4) bf16 rows Q4_0, Q4_1 and Q5_1 by bf16 tiles
- *       (gemm_amx_bf16q); float32 for everything else.
+ *       (gemm_amx_bf16q); below PANEL_ROWS (6) one-level blocks with mins (Q4_0, Q4_1, Q5_1) with activations rounded
+ *       to int16 per 32 (gemm_i16); float32 for everything else.
  * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
  */
 #include <math.h>
@@ -1157,6 +1158,127 @@ static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     free(xs);
 }
 
+/* One-level blocks of 32 with mins (Q4_0, Q4_1 and --quantization int4 as 4-bit; Q5_1 as 5-bit or a byte) below PANEL_ROWS
+ * rows: activations rounded to int16 per 32 (step max|x| / 32767, 256 times finer than int8's: below bf16's own
+ * rounding of the block's larger values), so a block's dot product is exact in int32 (madd: weights widened to
+ * int16, no saturation), then scaled once by the weight's and x's scales; the mins meet the float32 group sums, as
+ * on the float32 path. Widening to int16 costs half of widening to float32: the row kernels were bound by it. */
+#define I16_LEVELS 32767.f
+
+static int gemm_i16_serves(int bits, int sgn, int64_t G, int sfmt) {
+    return (bits == 4 || ((bits == 5 || bits == 8) && !sgn)) && G == QB && sfmt != SC_TWO_LEVEL;
+}
+
+/* xq [M, K] = round(x / s) (to nearest even) and xs [M, K / 32] = s = max|x| / 32767 per 32 of float32 rows xf */
+static void quantize_rows16(const float *xf, int64_t M, int64_t K, int16_t *xq, float *xs) {
+    const int64_t nb = K / QB;
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = xf + m * K + b * QB;
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xb + 8 * j);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+            const __m256 id = _mm256_set1_ps(amax > 0.f ? I16_LEVELS / amax : 0.f);
+            xs[m * nb + b] = amax / I16_LEVELS;
+            for (int j = 0; j < 4; j += 2) { /* packs interleaves the lanes: the permute puts them back in order */
+                const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+                const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], id));
+                const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+                _mm256_storeu_si256((__m256i *)(xq + m * K + b * QB + 8 * j), p);
+            }
+        }
+}
+
+/* sums[m] = x_m . w for one weight row (scales ws, mins wm, ng = K / 32 of each) and mt (1..4) input rows */
+static inline __attribute__((always_inline)) void row_i16(const uint8_t *w, const sc_t *ws, const sc_t *wm,
+                                                          const int16_t *xq, const float *xs, const float *xg,
+                                                          int64_t K, float sums[4], const int mt, const int bits) {
+    const int64_t nb = K / QB;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m256 acc[4];
+    float cs[4][8], wbuf[16];
+    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nb; c += 8) {
+        const int64_t nblk = nb - c < 8 ? nb - c : 8;
+        const float *wsc = chunk_scales(ws, c, nblk, 0, wbuf);
+        for (int m = 0; m < mt; m++)
+            for (int64_t j = 0; j < nblk; j++) cs[m][j] = wsc[j] * xs[m * nb + c + j];
+        for (int64_t j = 0; j < nblk; j++) {
+            const int64_t kb = (c + j) * QB, at = (c + j) * BLOCK_BYTES(bits);
+            if (j % 2 == 0) _mm_prefetch((const char *)(w + at + PF_AHEAD), _MM_HINT_T0);
+            __m256i lo, hi;
+            if (bits == 4) { /* byte i: weight i in its low nibble, i + 16 in its high one */
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(w + at));
+                lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4));
+                hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+            } else {
+                const __m256i q = block_bytes(w + at, bits, 0);
+                lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
+                hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
+            }
+            for (int m = 0; m < mt; m++) {
+                const int16_t *xb = xq + m * K + kb;
+                const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb)),
+                                                   _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 16))));
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&cs[m][j]), acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++) sums[m] = hsum(acc[m]) + mins_dot(wm, xg + m * nb, nb);
+}
+
+#define I16ROWS_FN(BITS)                                                                                         \
+    static __attribute__((noinline)) void i16rows_##BITS(const int16_t *xq, const float *xs, const float *xg,    \
+                                                         int64_t M, int64_t K, const uint8_t *w, const sc_t *ws,  \
+                                                         const sc_t *wm, int64_t n0, int64_t n1, const float *bias, \
+                                                         const uint16_t *res, void *out, int out_bf16, int64_t ldo) { \
+        const int64_t nb = K / QB;                                                                                \
+        for (int64_t n = n0; n < n1; n++)                                                                         \
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                               \
+                const int64_t mt = M - m0 < 4 ? M - m0 : 4;                                                       \
+                const sc_t sr = sc_row(*ws, n, nb), mr = sc_row(*wm, n, nb);                                      \
+                const uint8_t *wn = w + n * row_bytes_of(BITS, K);                                                \
+                const int16_t *xm = xq + m0 * K;                                                                  \
+                const float *sm = xs + m0 * nb, *gm = xg + m0 * nb;                                               \
+                float sums[4];                                                                                    \
+                if (mt == 4) row_i16(wn, &sr, &mr, xm, sm, gm, K, sums, 4, BITS);                                 \
+                else if (mt == 3) row_i16(wn, &sr, &mr, xm, sm, gm, K, sums, 3, BITS);                            \
+                else if (mt == 2) row_i16(wn, &sr, &mr, xm, sm, gm, K, sums, 2, BITS);                            \
+                else row_i16(wn, &sr, &mr, xm, sm, gm, K, sums, 1, BITS);                                         \
+                for (int64_t i = 0; i < mt; i++) put(sums[i], m0 + i, n, bias, res, out, out_bf16, ldo);          \
+            }                                                                                                     \
+    }
+I16ROWS_FN(4) I16ROWS_FN(5) I16ROWS_FN(8)
+
+static void gemm_i16(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                     const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out, int out_bf16,
+                     int64_t ldo, int64_t N) {
+    const int64_t groups = (N + 3) / 4, nb = K / QB;
+    float *xf = (float *)malloc((size_t)(M * K) * sizeof(float));
+    float *xg = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    int16_t *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
+    float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    quantize_rows(x, x_bf16, M, K, QB, NULL, NULL, xg, xf); /* the group sums as the float32 path forms them */
+    quantize_rows16(xf, M, K, xq, xs);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = 4 * g, n1 = n0 + 4 < N ? n0 + 4 : N;
+        if (bits == 5) i16rows_5(xq, xs, xg, M, K, w, ws, wm, n0, n1, bias, res, out, out_bf16, ldo);
+        else if (bits == 8) i16rows_8(xq, xs, xg, M, K, w, ws, wm, n0, n1, bias, res, out, out_bf16, ldo);
+        else i16rows_4(xq, xs, xg, M, K, w, ws, wm, n0, n1, bias, res, out, out_bf16, ldo);
+    }
+    free(xf);
+    free(xg);
+    free(xq);
+    free(xs);
+}
+
 /* What the int8 tiles (AMX) and their vector counterparts (AVX-512 VNNI, AVX2) share: the input rows in the tile
  * unit's layout, and the weight rows past the last whole task. */
 /* the integer sums of weight rows n0 .. n1 against every input row, one at a time, then scaled as the tiles' are:
@@ -2141,6 +2263,10 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         return;
     }
 #endif
+    if (act == ACT_AUTO && M < PANEL_ROWS && gemm_i16_serves(bits, sgn, G, sfmt)) {
+        gemm_i16(x, x_bf16, M, K, w, bits, scales, &mn, bias, res, out, out_bf16, ldo, N);
+        return;
+    }
 #endif
     if (act != ACT_INT8) {
         const int small = M < PANEL_ROWS;

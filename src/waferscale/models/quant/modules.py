@@ -20,7 +20,8 @@ _DEQUANT_TILE = 1 << 21
 # log-probabilities by 0.08 nats, four times the accuracy bar for int8 weights, scripts/quant_accuracy.py); auto
 # (the default) rounds them, as llama.cpp does, where the float32 path is bound by widening the weights: per 256 for
 # the two-level layouts (Q4_K, Q5_K, Q6_K, int4) below 16 rows, per 32 for 8-bit blocks (Q8_0, int8: within the
-# 0.02 nats bar; Q5_0 too) below 12 rows; float32 for Q4_0, Q4_1, Q5_1 and larger batches.
+# 0.02 nats bar; Q5_0 too) below 12 rows; Q4_0, Q4_1, Q5_1 per 32 to int16 (far finer) below 6; float32 for
+# larger batches.
 # WAFERSCALE_QUANT_ACTIVATIONS=float32|int8|auto chooses.
 ACTIVATION_MODES = {"float32": 0, "int8": 1, "auto": 2}
 _act_name = os.environ.get("WAFERSCALE_QUANT_ACTIVATIONS", "auto")
