@@ -315,7 +315,7 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
             loaded.tokenizer.encode(f"Hello {i}, tell me a story about a cat, a dog and a bird"),
             SamplingParams(max_tokens=3, min_tokens=3, temperature=0),
         )
-    names = ("linear_bf16", "linear_silu_mul_bf16", "linear_add_bf16", "decode_layer_bf16")
+    names = ("linear_bf16", "linear_silu_mul_bf16", "linear_add_bf16", "decode_layers_bf16")
     calls: dict[str, list[int]] = {name: [] for name in names}
 
     def counted(name):
@@ -332,14 +332,14 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
             delattr(native, name)
     layers, steps = loaded.config.num_layers, 3
     # the prefill step runs module by module (natively unless oneDNN takes its 85 rows, beyond the limit); the 2
-    # decode steps run each layer in one native call
+    # decode steps run every layer in one native call
     prefill = 0 if copies else 1
     assert all(rows <= (limit or rows) for got in calls.values() for rows in got)
     assert 5 in calls["linear_bf16"]
     assert len(calls["linear_bf16"]) == prefill * layers + steps  # qkv; lm_head
     assert len(calls["linear_silu_mul_bf16"]) == prefill * layers
     assert len(calls["linear_add_bf16"]) == prefill * 2 * layers  # o_proj, down_proj
-    assert calls["decode_layer_bf16"] == [5] * (steps - 1) * layers
+    assert calls["decode_layers_bf16"] == [5] * (steps - 1)
 
 
 @needs_native
@@ -493,8 +493,11 @@ def test_fused_decode_attention_matches_the_pytorch_path():
 
 
 def whole_layer_against_modules(model, cfg, lengths: torch.Tensor) -> None:
-    """Decode one token for each of len(lengths) sequences twice, each layer as one native call and then module by
-    module: the same hidden states and stored keys and values, bit for bit."""
+    """Decode one token for each of len(lengths) sequences three times: every layer in one native call, each layer
+    as one native call (as when batch work may be interrupted between layers), and module by module: the same
+    hidden states and stored keys and values, bit for bit."""
+    import threading
+
     from waferscale.engine.kv_cache import KVPool, PagedBatch
 
     assert model.decode_layers is not None
@@ -505,25 +508,26 @@ def whole_layer_against_modules(model, cfg, lengths: torch.Tensor) -> None:
     slots = tables[torch.arange(rows), last // block_size] * block_size + last % block_size
     ids = torch.tensor([42, 7, 1000, 31, 5, 77, 300, 12, 9, 64, 3, 2000, 15, 8, 450, 21, 6])[:rows]
     results = []
-    for whole in (True, False):
-        torch.manual_seed(5)  # the same earlier keys and values in both pools
+    for mode in ("model", "layer", "modules"):
+        torch.manual_seed(5)  # the same earlier keys and values in every pool
         blocks = 1 + tables.numel()
         pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, blocks, block_size)
         pool.k.normal_()
         pool.v.normal_()
         batch = PagedBatch(
-            pool, slots, num_decode=rows, decode_tables=tables, decode_lengths=lengths, native=native
-        )
+            pool, slots, num_decode=rows, decode_tables=tables, decode_lengths=lengths, native=native,
+            interrupt=threading.Event() if mode == "layer" else None,  # checked between layers: a call a layer
+        )  # fmt: skip
         saved = model.decode_layers
-        if not whole:
+        if mode == "modules":
             model.decode_layers = None  # each module calls its own kernel
         try:
             hidden = model(ids, last, batch)
         finally:
             model.decode_layers = saved
         results.append((hidden, pool.k[:, slots].clone(), pool.v[:, slots].clone()))
-    (h_w, k_w, v_w), (h_m, k_m, v_m) = results
-    assert torch.equal(h_w, h_m) and torch.equal(k_w, k_m) and torch.equal(v_w, v_m)
+    for h, k, v in results[1:]:
+        assert torch.equal(h, results[0][0]) and torch.equal(k, results[0][1]) and torch.equal(v, results[0][2])
 
 
 @needs_native

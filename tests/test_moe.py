@@ -363,8 +363,8 @@ def test_a_sequence_decodes_the_same_alone_and_among_15_others(qwen3_moe):
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_a_decode_step_runs_each_sparse_layer_as_one_native_call_bit_for_bit(qwen3_moe, quantization):
     """At bf16 (experts packed, or quantized in int4), a decode-only batch runs each layer, its experts included, as
-    one native call: the same hidden states and stored keys and values, bit for bit, as the layer's modules; each
-    routed row counted once in the expert load, by either path."""
+    one native call (and every layer in one): the same hidden states and stored keys and values, bit for bit, as the
+    layer's modules; each routed row counted once in the expert load, by each of the three paths."""
     from test_kernels import whole_layer_against_modules
 
     _, folder, _ = qwen3_moe
@@ -376,7 +376,7 @@ def test_a_decode_step_runs_each_sparse_layer_as_one_native_call_bit_for_bit(qwe
     whole_layer_against_modules(model, loaded.config, torch.tensor([1, 16, 17, 90]))
     after = model.expert_load()
     for i in sparse:
-        assert sum(after[i]) - sum(before[i]) == 2 * 4 * ACTIVE  # 4 rows, k each, once a path
+        assert sum(after[i]) - sum(before[i]) == 3 * 4 * ACTIVE  # 4 rows, k each, once a path
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -152,6 +152,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
     lib.decode_layer.argtypes += [ctypes.c_int] + [ptr] * 5 + [i64] * 5 + [f32, ptr, ptr]
     lib.decode_layer.restype = None
+    lib.decode_layers.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64]
+    lib.decode_layers.restype = None
     lib.moe_experts_bf16.argtypes = [ptr] * 6 + [i64] * 3 + [ptr, ptr]
     lib.moe_experts_bf16.restype = None
     lib.moe_forward_bf16.argtypes = [ptr, i64, i64, ptr, ptr]
@@ -304,6 +306,23 @@ class _LayerExt(ctypes.Structure):
 
 NORM_LLAMA, NORM_GEMMA = 0, 1  # cpu_kernels.c's norm kinds: bf16 weight, or float32 1 + weight
 ACT_SILU, ACT_GELU_TANH = 0, 1
+
+
+class _LayerCall(ctypes.Structure):
+    """cpu_kernels.c's layer_call_t: decode_layer's arguments of one layer that hold from step to step."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "norm1", "qkv", "qkv_bias", "o", "norm2", "gate_up", "down", "ext", "k_cache", "v_cache", "k_scale",
+            "v_scale",
+        )
+    ] + [(name, ctypes.c_int64) for name in ("inter", "heads", "kv_heads", "head_dim", "fmt")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+    ]  # fmt: skip
+
+
+STEP_FIELDS = 7  # cpu_kernels.c's STEP_*: cos, sin, slots, tables, lengths, the tables' width, window starts
 
 
 @dataclass(frozen=True)
@@ -691,6 +710,31 @@ class NativeKernels:
             None if w.ext is None else ctypes.addressof(w.ext),
             _ptr(starts),
         )
+
+    def layer_calls(self, layers: list[tuple]) -> ctypes.Array:
+        """decode_layers' arguments of each layer that hold from step to step, from (weights: DecodeLayerWeights,
+        k_cache, v_cache, k_scale, v_scale, num_heads, scale) a layer, the caches as decode_layer_bf16 takes them.
+        The caller keeps the weights and caches alive while the array is used."""
+        calls = (_LayerCall * len(layers))()
+        for c, (w, k_cache, v_cache, k_scale, v_scale, num_heads, scale) in zip(calls, layers):
+            qkv, o, gate_up, down = (ctypes.addressof(proj) for proj in w.descriptors)
+            c.norm1, c.qkv, c.qkv_bias, c.o = w.norm1.data_ptr(), qkv, _ptr(w.qkv_bias), o
+            c.norm2, c.gate_up, c.down = w.norm2.data_ptr(), gate_up, down
+            c.ext = None if w.ext is None else ctypes.addressof(w.ext)
+            c.k_cache, c.v_cache, c.k_scale, c.v_scale = k_cache.data_ptr(), v_cache.data_ptr(), *map(
+                _ptr, (k_scale, v_scale)
+            )
+            c.inter, c.heads, c.kv_heads, c.head_dim = w.inter, num_heads, k_cache.shape[1], k_cache.shape[2]
+            c.fmt, c.eps, c.scale = _kv_format(k_cache, k_scale, v_scale), w.eps, scale
+        return calls
+
+    def decode_layers_bf16(self, h: torch.Tensor, calls: ctypes.Array, step: torch.Tensor, block_size: int) -> None:
+        """Every layer of a decode step in one call, in place on h (bf16 [B, E], contiguous): decode_layer_bf16 for
+        each of `calls` (layer_calls) in order, with its row of `step` (int64 [layers, STEP_FIELDS]: the data
+        pointers of its cos and sin rows, slots, block tables and lengths, the tables' width, and its window's
+        starts or 0)."""
+        b, e = h.shape
+        self.lib.decode_layers(h.data_ptr(), b, e, len(calls), ctypes.addressof(calls), step.data_ptr(), block_size)
 
     def moe_forward_bf16(self, x: torch.Tensor, moe: MoEWeights, residual: torch.Tensor) -> None:
         """residual += the mixture of experts' output for bf16 rows x [T, E] (the layer's normed input), in place

@@ -1229,6 +1229,42 @@ void decode_layer(uint16_t *h, int64_t M, int64_t E, const void *norm1, const pr
     free(act);
 }
 
+/* decode_layer's arguments of one layer that hold from step to step: its weights, heads and KV caches */
+typedef struct {
+    const void *norm1;
+    const proj_t *qkv_w;
+    const float *qkv_bias;
+    const proj_t *o_w;
+    const void *norm2;
+    const proj_t *gate_up_w;
+    const proj_t *down_w;
+    const layer_ext_t *ext;
+    void *k_cache, *v_cache;
+    float *k_scale, *v_scale;
+    int64_t I, H, KVH, D, fmt;
+    float eps, scale;
+} layer_call_t;
+
+/* a layer's arguments that change from step to step, int64 each: its rope rows, its KV group's slots, block tables
+ * (and their width) and lengths, and its window's first positions (0: no window) */
+enum { STEP_COS, STEP_SIN, STEP_SLOTS, STEP_TABLES, STEP_LENGTHS, STEP_WIDTH, STEP_STARTS, STEP_FIELDS };
+
+/* Every decoder layer of a decode step, one after the other, in place on h: decode_layer for layers[l] with
+ * step[l * STEP_FIELDS ..]'s arguments (one call from Python for the whole model, not one a layer) */
+void decode_layers(uint16_t *h, int64_t M, int64_t E, int64_t L, const layer_call_t *layers, const int64_t *step,
+                   int64_t block_size) {
+    for (int64_t l = 0; l < L; l++) {
+        const layer_call_t *c = layers + l;
+        const int64_t *s = step + l * STEP_FIELDS;
+        decode_layer(h, M, E, c->norm1, c->qkv_w, c->qkv_bias, c->o_w, c->norm2, c->gate_up_w, c->I, c->down_w,
+                     c->eps, (const uint16_t *)(intptr_t)s[STEP_COS], (const uint16_t *)(intptr_t)s[STEP_SIN],
+                     c->k_cache, c->v_cache, (int)c->fmt, c->k_scale, c->v_scale,
+                     (const int64_t *)(intptr_t)s[STEP_SLOTS], (const int64_t *)(intptr_t)s[STEP_TABLES],
+                     (const int64_t *)(intptr_t)s[STEP_LENGTHS], c->H, c->KVH, c->D, s[STEP_WIDTH], block_size,
+                     c->scale, c->ext, (const int64_t *)(intptr_t)s[STEP_STARTS]);
+    }
+}
+
 /* Per row of float32 logits x [B, V]: idx[b], the first index of the row's maximum (torch.argmax's tie rule), and
  * lse[b] = max + log(sum exp(x - max)) as torch.logsumexp computes it: -inf for a row of -inf, +inf for a row
  * with +inf, NaN for a row with NaN. Special values are tested on the bits: -ffast-math assumes they never occur. */

@@ -4,11 +4,14 @@ A family's file only builds its decoder layer (and says whether it can run as on
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
 from waferscale.kernels import ACT_GELU_TANH, ACT_SILU, DecodeLayerWeights
 from waferscale.models.config import ModelConfig, embed_scale
+from waferscale.models.layers.attention import fused_decode_layers
 from waferscale.models.layers.embedding import Embedding
 from waferscale.models.layers.linear import Linear, LoadContext, put
 from waferscale.models.layers.moe import SparseMoE, split_stacked_experts
@@ -94,6 +97,7 @@ class CausalLM(nn.Module):
         # layers cannot run natively (set by process_weights_after_loading)
         self.decode_layers: list | None = None
         self.decode_rows: int | None = None
+        self._native_calls: tuple | None = None  # (weakref to a KV pool, its layer_calls): _layer_calls
 
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         """The family's decoder layer number `index`."""
@@ -117,6 +121,10 @@ class CausalLM(nn.Module):
             and (self.decode_rows is None or h.shape[0] <= self.decode_rows)
             and kv.can_fuse_decode(h.shape[0], self.cfg.head_dim)
         ):  # decode rows only: each layer is one native call, in place on h (the modules' kernels, bit for bit)
+            if kv.interrupt is None:  # no check to make between layers: all of them in one native call
+                windows = [layer.self_attn.window for layer in self.layers]
+                fused_decode_layers(kv, h, ropes, windows, self._layer_calls(kv))
+                return self.norm(h)
             for i, weights in enumerate(self.decode_layers):
                 kv.check_interrupt()
                 self.layers[i].decode_native(kv, i, h, ropes[i], weights)
@@ -125,6 +133,20 @@ class CausalLM(nn.Module):
             kv.check_interrupt()
             h = layer(h, ropes[i], kv, i)
         return self.norm(h)
+
+    def _layer_calls(self, kv):
+        """The whole-model decode call's unchanging arguments for kv's pool (its caches' pointers), built at the
+        pool's first decode step and kept while that pool lives."""
+        cached = self._native_calls
+        if cached is not None and cached[0]() is kv.pool:
+            return cached[1]
+        layers = []
+        for i, weights in enumerate(self.decode_layers):
+            cache, attn = kv.layer(i)[1], self.layers[i].self_attn
+            layers.append((weights, cache.k, cache.v, cache.k_scale, cache.v_scale, attn.num_heads, attn.scale))
+        calls = kv.native.layer_calls(layers)
+        self._native_calls = (weakref.ref(kv.pool), calls)
+        return calls
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -169,6 +169,26 @@ def fused_decode_layer(plan, layer: int, h: torch.Tensor, rope, weights, attn: A
     )
 
 
+def fused_decode_layers(plan, h: torch.Tensor, ropes: list, windows: list, calls) -> None:
+    """Every decoder layer for decode rows only in one native call, in place on h (bf16 [B, E]): fused_decode_layer
+    for each layer in order, `calls` holding what does not change between steps (NativeKernels.layer_calls), and
+    each layer's rope rows (ropes), window (windows) and KV group giving what does."""
+    rows, fields, keep, seen = h.shape[0], [], [], {}
+    for i, (rope, window) in enumerate(zip(ropes, windows)):
+        group = plan.layer(i)[0]
+        key = (id(group), id(rope), window)
+        row = seen.get(key)
+        if row is None:
+            cos, sin = (t.reshape(rows, -1) for t in rope)
+            starts = _window_starts(group, window)
+            keep += [cos, sin]  # reshape may copy: alive until the call returns
+            tables = group.decode_tables
+            row = seen[key] = [cos.data_ptr(), sin.data_ptr(), group.slots.data_ptr(), tables.data_ptr()]
+            row += [group.decode_lengths.data_ptr(), tables.shape[1], 0 if starts is None else starts.data_ptr()]
+        fields += row
+    plan.native.decode_layers_bf16(h, calls, torch.tensor(fields, dtype=torch.int64), plan.pool.block_size)
+
+
 class Attention(nn.Module):
     """q/k/v fused in one projection, rope, paged attention, o_proj; optional per-head q/k RMSNorm before rope
     (Qwen3, Gemma 3), a sliding window, and sink logits."""
