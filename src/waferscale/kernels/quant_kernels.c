@@ -103,7 +103,7 @@ typedef struct {
 } sc_t;
 
 /* row n's scales, ng of them (NULL pointers stay NULL) */
-static inline sc_t sc_row(sc_t s, int64_t n, int64_t ng) {
+static inline __attribute__((always_inline)) sc_t sc_row(sc_t s, int64_t n, int64_t ng) {
     if (s.f) s.f += n * ng;
     if (s.h) s.h += n * ng;
     if (s.b) {
@@ -116,7 +116,7 @@ static inline sc_t sc_row(sc_t s, int64_t n, int64_t ng) {
 
 static inline int sc_some(const sc_t *s) { return s->f || s->h || s->b || s->e; }
 
-static inline float sc_at(const sc_t *s, int64_t g) {
+static inline __attribute__((always_inline)) float sc_at(const sc_t *s, int64_t g) {
     if (s->f) return s->f[g];
     if (s->e) { /* 2^(e - 128) from its bits (subnormal below e = 2), as mxfp4_kernels.c's mx_half_scale */
         const uint32_t bits = s->e[g] >= 2 ? (uint32_t)(s->e[g] - 1) << 23 : (uint32_t)1 << (21 + s->e[g]);
@@ -427,6 +427,18 @@ static inline __attribute__((always_inline)) void deq_block8(const uint8_t *cons
     }
 }
 
+/* group g's scale (or min) of 8 rows, all in one format: float16 ones widened together (as sc_at widens each) */
+static inline __attribute__((always_inline)) __m256 gather8(const sc_t a[8], int64_t g) {
+    if (a[0].h)
+        return _mm256_cvtph_ps(_mm_setr_epi16((short)a[0].h[g], (short)a[1].h[g], (short)a[2].h[g],
+                                              (short)a[3].h[g], (short)a[4].h[g], (short)a[5].h[g],
+                                              (short)a[6].h[g], (short)a[7].h[g]));
+    if (a[0].f)
+        return _mm256_setr_ps(a[0].f[g], a[1].f[g], a[2].f[g], a[3].f[g], a[4].f[g], a[5].f[g], a[6].f[g], a[7].f[g]);
+    return _mm256_setr_ps(sc_at(&a[0], g), sc_at(&a[1], g), sc_at(&a[2], g), sc_at(&a[3], g), sc_at(&a[4], g),
+                          sc_at(&a[5], g), sc_at(&a[6], g), sc_at(&a[7], g));
+}
+
 /* the panel of weight rows n0 .. n0 + 15 (rows past N repeat row N - 1), columns k0 .. k0 + kc: P[k][16] */
 static inline __attribute__((always_inline)) void deq_panel_l(const uint8_t *w, int64_t row_bytes, const sc_t *ws,
                                                               const sc_t *wm, int64_t ng, int gshift, int64_t N,
@@ -444,14 +456,10 @@ static inline __attribute__((always_inline)) void deq_panel_l(const uint8_t *w, 
         for (int64_t kb = k0; kb < k0 + kc; kb += QB) {
             const int64_t g0 = kb >> gshift, g1 = (kb + 16) >> gshift;
             __m256 s[2], mn[2];
-#define GATHER8(a, g)                                                                                            \
-    _mm256_set_ps(sc_at(&a[7], g), sc_at(&a[6], g), sc_at(&a[5], g), sc_at(&a[4], g), sc_at(&a[3], g),           \
-                  sc_at(&a[2], g), sc_at(&a[1], g), sc_at(&a[0], g))
-            s[0] = GATHER8(sr, g0);
-            s[1] = g1 == g0 ? s[0] : GATHER8(sr, g1);
-            mn[0] = mins ? GATHER8(mr, g0) : _mm256_setzero_ps();
-            mn[1] = !mins ? mn[0] : g1 == g0 ? mn[0] : GATHER8(mr, g1);
-#undef GATHER8
+            s[0] = gather8(sr, g0);
+            s[1] = g1 == g0 ? s[0] : gather8(sr, g1);
+            mn[0] = mins ? gather8(mr, g0) : _mm256_setzero_ps();
+            mn[1] = !mins ? mn[0] : g1 == g0 ? mn[0] : gather8(mr, g1);
             deq_block8(rows, kb, s, mn, P + (kb - k0) * 16 + 8 * o, bits, sgn, mins);
         }
     }
