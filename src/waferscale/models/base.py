@@ -120,7 +120,7 @@ class CausalLM(nn.Module):
             and h.dtype == torch.bfloat16
             and (self.decode_rows is None or h.shape[0] <= self.decode_rows)
             and kv.can_fuse_decode(h.shape[0], self.cfg.head_dim)
-        ):  # decode rows only: each layer is one native call, in place on h (the modules' kernels, bit for bit)
+        ):  # decode rows only: native calls in place on h (the modules' kernels, bit for bit)
             if kv.interrupt is None:  # no check to make between layers: all of them in one native call
                 windows = [layer.self_attn.window for layer in self.layers]
                 fused_decode_layers(kv, h, ropes, windows, self._layer_calls(kv))
