@@ -130,8 +130,8 @@ def test_chunked_prefill_and_batching_give_the_same_tokens(family):
 @pytest.mark.parametrize("quantization", ["none", "int4"])  # int8's layout: test_quant.py's Q5_0 model
 def test_a_decode_step_runs_each_layer_as_one_native_call_bit_for_bit(family, quantization):
     """At bf16 (weights packed, or quantized in int4), a decode-only batch runs each layer (q/k norms, windows, Gemma's
-    norms and GELU included) as one native call: the same hidden states and stored keys and values, bit for bit, as
-    the layer's modules; rows of 50 and 90 positions see only their windows."""
+    norms and GELU included) as one native call, and all layers in one: the same hidden states and stored keys and
+    values, bit for bit, as the layer's modules; rows of 50 and 90 positions see only their windows."""
     _, _, folder = family
     loaded = load_model(folder, dtype="bfloat16", quantization=quantization, progress=False)
     whole_layer_against_modules(loaded.model, loaded.config, torch.tensor([1, 16, 50, 90]))
