@@ -19,7 +19,7 @@ import torch
 
 from waferscale import kernels
 from waferscale.engine.block_manager import BlockManager
-from waferscale.engine.kv_cache import KVLayout, KVPool, kv_cache_dtypes
+from waferscale.engine.kv_cache import KVPool, kv_cache_dtypes
 from waferscale.engine.model_runner import ModelRunner
 from waferscale.engine.params import SamplingParams
 from waferscale.engine.scheduler import ScheduledBatch
@@ -119,23 +119,9 @@ class DraftModel:
         self.model = loaded.model
         cfg = loaded.config
         kv_dtype, compute_dtype = kv_cache_dtypes("auto", loaded.dtype)
-        layout = KVLayout(tuple(cfg.window(i) for i in range(cfg.num_layers)))
-        per_page = KVPool.bytes_per_block(
-            layout.group_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, block_size
-        )
-        kinds = layout.block_kinds
-        num_pages = max(1 + max(k.pages for k in kinds), kv_cache_bytes // per_page)
         native = kernels.load() if kv_dtype in (torch.float32, torch.bfloat16) else None
-        self.pool = KVPool(
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            kv_dtype,
-            num_pages,
-            block_size,
-            layout.windows,
-            compute_dtype,
-        )
+        self.pool = KVPool.for_model(cfg, kv_dtype, compute_dtype, block_size, kv_cache_bytes)
+        num_pages, kinds, per_page = self.pool.num_blocks, self.pool.layout.block_kinds, self.pool.page_bytes
         self.blocks = BlockManager(num_pages, block_size, False, kinds)
         self.runner = ModelRunner(self.model, self.pool, native, self.blocks)
         self.block_size = block_size

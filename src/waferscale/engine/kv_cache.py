@@ -136,11 +136,12 @@ class KVPool:
         windows: tuple[int | None, ...] | None = None,
         compute_dtype: torch.dtype | None = None,
     ):
-        self.block_size = block_size
+        self.block_size, self.num_blocks = block_size, num_blocks
         self.layout = KVLayout(tuple(windows) if windows is not None else (None,) * num_layers)
         if len(self.layout.windows) != num_layers:
             raise ValueError(f"{len(self.layout.windows)} windows given for {num_layers} layers")
         self.place = [self.layout.placement(i) for i in range(num_layers)]
+        self.page_bytes = self.bytes_per_block(self.layout.group_size, num_kv_heads, head_dim, dtype, block_size)
         self.dtype = dtype
         self.compute_dtype = compute_dtype or (torch.float32 if dtype == torch.int8 else dtype)
         shape = (self.layout.group_size, num_blocks * block_size, num_kv_heads, head_dim)
@@ -153,6 +154,16 @@ class KVPool:
             scales = (*shape[:3], kv_int8.num_scales(head_dim))
             self.k_scale = torch.zeros(scales, dtype=torch.float32)
             self.v_scale = torch.zeros(scales, dtype=torch.float32)
+
+    @classmethod
+    def for_model(cls, cfg, dtype: torch.dtype, compute_dtype: torch.dtype, block_size: int, memory: int) -> KVPool:
+        """A pool for a model's layers (grouped by their windows) in `memory` bytes, and never fewer pages than page 0
+        and one block of every kind."""
+        layout = KVLayout(tuple(cfg.window(i) for i in range(cfg.num_layers)))
+        per_page = cls.bytes_per_block(layout.group_size, cfg.num_kv_heads, cfg.head_dim, dtype, block_size)
+        pages = max(1 + max(k.pages for k in layout.block_kinds), memory // per_page)
+        args = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, pages, block_size, layout.windows)
+        return cls(*args, compute_dtype)
 
     def layer_kv(self, index: int) -> LayerKV:
         """The caches of slice `index` of every group."""

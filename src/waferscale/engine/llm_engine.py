@@ -20,7 +20,7 @@ from waferscale.engine.draft_model import DRAFT_KV_FRACTION, DraftModel, check_s
 from waferscale.engine.errors import ErrorKind, RequestError, internal_error
 from waferscale.engine.faults import FaultHooks
 from waferscale.engine.grammar import GrammarError, GrammarMasks
-from waferscale.engine.kv_cache import KVLayout, KVPool, StepInterrupted, kv_cache_dtypes
+from waferscale.engine.kv_cache import KVPool, StepInterrupted, kv_cache_dtypes
 from waferscale.engine.metrics import EngineStats
 from waferscale.engine.model_runner import ModelRunner
 from waferscale.engine.output_processor import OutputProcessor
@@ -62,26 +62,11 @@ class LLMEngine:
         self.eos_ids = [i for i in loaded.tokenizer.eos_token_ids if i < loaded.config.vocab_size]
         cfg = loaded.config
         kv_dtype, compute_dtype = kv_cache_dtypes(kv_cache_dtype, loaded.dtype)
-        layout = KVLayout(tuple(cfg.window(i) for i in range(cfg.num_layers)))
-        per_page = KVPool.bytes_per_block(
-            layout.group_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, block_size
-        )
-        kinds = layout.block_kinds
-        num_pages = max(1 + max(k.pages for k in kinds), kv_cache_bytes // per_page)
         self.block_size = block_size
         # decode attention reads the pool in place through the native kernel where it could be built
         self.native = kernels.load() if kv_dtype in (torch.float32, torch.bfloat16, torch.int8) else None
-        self.pool = KVPool(
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            kv_dtype,
-            num_pages,
-            block_size,
-            layout.windows,
-            compute_dtype,
-        )
-        self.blocks = BlockManager(num_pages, block_size, enable_prefix_cache, kinds)
+        self.pool = KVPool.for_model(cfg, kv_dtype, compute_dtype, block_size, kv_cache_bytes)
+        self.blocks = BlockManager(self.pool.num_blocks, block_size, enable_prefix_cache, self.pool.layout.block_kinds)
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=max_num_seqs,
@@ -101,7 +86,7 @@ class LLMEngine:
                 block_size=block_size,
                 max_batched_tokens=max_num_batched_tokens,
             )
-        self._log_kv(kv_dtype, per_page)
+        self._log_kv(kv_dtype, self.pool.page_bytes)
         self.faults = FaultHooks()
         self.threads = ThreadGovernor(
             torch.get_num_threads(), torch.set_num_threads, applied=torch.get_num_threads

@@ -1092,6 +1092,19 @@ static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
     free(xb);
 }
 
+/* cs[m][j] = weight scale x row m's scale of blocks c .. c + 7 (fewer at the row's end) for mt input rows (xs: [mt,
+ * nb] per 32): the scales of row_q8's and row_i16's integer block sums; returns how many blocks */
+static inline __attribute__((always_inline)) int64_t block_scales(const sc_t *ws, const float *xs, int64_t nb,
+                                                                  int64_t c, const int mt, const int sgn,
+                                                                  float cs[4][8]) {
+    const int64_t nblk = nb - c < 8 ? nb - c : 8;
+    float wbuf[16];
+    const float *wsc = chunk_scales(ws, c, nblk, sgn, wbuf);
+    for (int m = 0; m < mt; m++)
+        for (int64_t j = 0; j < nblk; j++) cs[m][j] = wsc[j] * xs[m * nb + c + j];
+    return nblk;
+}
+
 /* signed blocks of 32 without mins (Q8_0, --quantization int8; Q5_0 in its 5 bits) below INT8_ROWS_Q8 rows, activations int8 per
  * 32 as llama.cpp multiplies Q8_0 by Q8_0: per block an integer dot product (dpbusd with VNNI, maddubs + madd without),
  * turned to float32 and scaled by the weight's and x's scales, formed for 8 blocks at a time. */
@@ -1100,13 +1113,10 @@ static inline __attribute__((always_inline)) void row_q8(const uint8_t *w, const
                                                          const int bits) {
     const int64_t nb = K / QB;
     __m256 acc[4];
-    float cs[4][8], wbuf[16];
+    float cs[4][8];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t c = 0; c < nb; c += 8) {
-        const int64_t nblk = nb - c < 8 ? nb - c : 8;
-        const float *wsc = chunk_scales(ws, c, nblk, 1, wbuf);
-        for (int m = 0; m < mt; m++)
-            for (int64_t j = 0; j < nblk; j++) cs[m][j] = wsc[j] * xs[m * nb + c + j];
+        const int64_t nblk = block_scales(ws, xs, nb, c, mt, 1, cs);
         for (int64_t j = 0; j < nblk; j++) {
             const int64_t kb = (c + j) * QB, at = (c + j) * BLOCK_BYTES(bits);
             if (j % 2 == 0) _mm_prefetch((const char *)(w + at + PF_AHEAD), _MM_HINT_T0);
@@ -1210,13 +1220,10 @@ static inline __attribute__((always_inline)) void row_i16(const uint8_t *w, cons
     const int64_t nb = K / QB;
     const __m128i m4 = _mm_set1_epi8(0x0F);
     __m256 acc[4];
-    float cs[4][8], wbuf[16];
+    float cs[4][8];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t c = 0; c < nb; c += 8) {
-        const int64_t nblk = nb - c < 8 ? nb - c : 8;
-        const float *wsc = chunk_scales(ws, c, nblk, 0, wbuf);
-        for (int m = 0; m < mt; m++)
-            for (int64_t j = 0; j < nblk; j++) cs[m][j] = wsc[j] * xs[m * nb + c + j];
+        const int64_t nblk = block_scales(ws, xs, nb, c, mt, 0, cs);
         for (int64_t j = 0; j < nblk; j++) {
             const int64_t kb = (c + j) * QB, at = (c + j) * BLOCK_BYTES(bits);
             if (j % 2 == 0) _mm_prefetch((const char *)(w + at + PF_AHEAD), _MM_HINT_T0);
