@@ -110,7 +110,8 @@ def baseline_kernels(ref: str) -> kernels.NativeKernels:
     ).stdout
     tmp = Path(tempfile.mkdtemp(prefix="bench_qgemm-"))
     (tmp / "q.c").write_bytes(src)
-    cc = ["cc", *kernels.COMPILE_FLAGS, "-c", str(tmp / "q.c"), "-o", str(tmp / "q.o")]
+    flags = kernels.COMPILE_FLAGS + kernels.VARIANT_FLAGS[kernels._variant()]  # WAFERSCALE_NATIVE_KERNELS's build
+    cc = ["cc", *flags, "-c", str(tmp / "q.c"), "-o", str(tmp / "q.o")]
     subprocess.run(cc, check=True)
     subprocess.run(["cc", *kernels.LINK_FLAGS, str(tmp / "q.o"), "-o", str(tmp / "q.so"), "-lm"], check=True)
     lib = ctypes.CDLL(str(tmp / "q.so"))
