@@ -886,8 +886,8 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
                     const int8_t *xp = xq + m * K + k0 + 64 * p;
                     const __m256i a = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xp));
                     const __m256i b = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 32)));
-                    isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(a, sc),
-                                                                         _mm256_madd_epi16(b, sc)));
+                    /* a lane of a and of b: the same block, so the same scale; |a + b| <= 4 * 15 * 127 */
+                    isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_add_epi16(a, b), sc));
                 }
             }
         } else {
@@ -991,8 +991,8 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
                     const int8_t *xp = xq + m * K + k0 + 128 * c;
                     const __m512i a = _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void *)xp));
                     const __m512i b = _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void *)(xp + 64)));
-                    isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_madd_epi16(a, sc),
-                                                                         _mm512_madd_epi16(b, sc)));
+                    /* a lane of a and of b: the same block, so the same scale; |a + b| <= 4 * 15 * 127 */
+                    isum[m] = _mm512_add_epi32(isum[m], _mm512_madd_epi16(_mm512_add_epi16(a, b), sc));
                 }
             }
         } else {
