@@ -107,9 +107,9 @@ def test_gguf_blocks_keep_their_scales_as_stored(kind):
 # batches of at least this many rows take the float32 path's dequantized panels (quant_kernels.c's PANEL_ROWS), fewer
 # the row-by-row kernel: each is batch-invariant, the two sum in different orders
 PANEL_ROWS = 6
-# auto rounds activations to int8 below these batch sizes (INT8_ROWS_K for two-level layouts, INT8_ROWS_Q8 for
-# 8-bit blocks), and takes the float32 paths from them on
-INT8_ROWS_K, INT8_ROWS_Q8 = 16, 12
+# auto rounds activations to int8 below these batch sizes (INT8_ROWS_K for two-level layouts: 16, 28 where AVX-512
+# VNNI takes the batches; INT8_ROWS_Q8 for 8-bit blocks), and takes the float32 paths from them on
+INT8_ROWS_K, INT8_ROWS_Q8 = (native.int8_rows_k() if native else 16), 12
 # where the CPU has AMX, auto takes the int8 tiles from these batch sizes instead (quant_kernels.c's AMX_ROWS_*); where
 # it has none, their vector counterparts (gemm_vnni with AVX-512 VNNI, gemm_i8v with AVX2) from the row paths' limits
 AMX_ROWS_K, AMX_ROWS_Q8 = 16, 3

@@ -147,6 +147,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qgemm_set_amx.restype = ctypes.c_int
     lib.qgemm_set_int8_vectors.argtypes = [ctypes.c_int]
     lib.qgemm_set_int8_vectors.restype = ctypes.c_int
+    lib.qgemm_int8_rows_k.argtypes = []
+    lib.qgemm_int8_rows_k.restype = ctypes.c_int
     lib.gemm_bf16_tiles.argtypes = []
     lib.gemm_bf16_tiles.restype = ctypes.c_int
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
@@ -810,6 +812,12 @@ class NativeKernels:
         (on, the default) or not (tests and benchmarks compare the paths); returns whether they are on (False where
         the build has neither)."""
         return bool(self.lib.qgemm_set_int8_vectors(int(on)))
+
+    def int8_rows_k(self) -> int:
+        """The batch size from which qgemm's auto mode stops multiplying the two-level layouts (K-quants) row by row
+        with activations per 256 where AMX does not take them: 16, 28 where AVX-512 VNNI takes the batches, 0 in the
+        portable build."""
+        return self.lib.qgemm_int8_rows_k()
 
     def bf16_tiles(self) -> bool:
         """Whether batches of bf16 rows (from 17) multiply packed bf16 weights on AMX tiles: then packed panels
