@@ -47,6 +47,10 @@ SHAPES = {
     "1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
     "gemma270m": {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048)},
     "gemma270m_head": {"head": (262144, 640)},
+    # Qwen3-30B-A3B (hidden 2048, 32 heads and 4 kv heads of 128, one expert's width 768) with the built-in tokenizer's
+    # 49k words, as scripts/bench_moe.py serves make_random_model.py's shape
+    "qwen3moe": {"qkv": (5120, 2048), "o": (2048, 4096), "expert_gate_up": (1536, 2048), "expert_down": (2048, 768)},
+    "qwen3moe_head": {"head": (49152, 2048)},
 }
 # bits, group, signed, mins, two-level scales: Q4_0/Q4_1/--quantization int4; Q8_0/int8; Q4_K; Q6_K; Q5_K
 KINDS = {
