@@ -22,9 +22,10 @@
  *       activations), so a block's dot product is exact in 32-bit integers (maddubs + madd on AVX2, dpbusd with
  *       VNNI), then scaled once in float32; the mins meet the float32 sum of x over their group. Every row's result
  *       depends only on that row, never on the batch.
- *   auto (the default): below INT8_ROWS_K rows (16; 28 with AVX-512 VNNI) the two-level layouts (K-quants, int4) with activations rounded
- *       to int8 per 256 and integer sums over each super-block (gemm_k), and below INT8_ROWS_Q8 (12) 8-bit blocks
- *       (Q8_0, Q5_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp multiplies them; on CPUs with AMX,
+ *   auto (the default): below INT8_ROWS_K rows (16; 28 with AVX-512 VNNI) the two-level layouts (K-quants, int4)
+ *       with activations rounded to int8 per 256 and integer sums over each super-block (gemm_k), and below
+ *       INT8_ROWS_Q8 (12) 8-bit blocks (Q8_0, Q5_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp
+ *       multiplies them; on CPUs with AMX,
  *       8-bit blocks from AMX_ROWS_Q8 (3) rows and the two-level layouts (Q4_K, Q5_K, Q6_K) from AMX_ROWS_K (16)
  *       with activations per 32 by int8 tiles (gemm_amx, gemm_amx16), 8-bit blocks below 3 rows by q8_exact (the
  *       tiles' sums row by row), and from AMX_BF16Q_ROWS (4) bf16 rows Q4_0, Q4_1 and Q5_1 by bf16 tiles
@@ -1695,7 +1696,8 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
  * of 32 go through amx_tail. */
 /* the batch sizes from which the tiles take a layout. 8-bit blocks from 3 rows, where they beat gemm_q8 (Gemma 3
  * 270M's 262k-row Q8_0 head: 9 rows 20.8 -> 8.9 ms); below, q8_exact gives each row the tiles' very sums. The
- * two-level layouts from 16 (INT8_ROWS_K without VNNI), where gemm_k's activations per 256 stop: the tiles round them per 32, so
+ * two-level layouts from 16 (INT8_ROWS_K where VNNI does not raise it), where gemm_k's activations per 256 stop: the
+ * tiles round them per 32, so
  * a row's numbers change where the path does, and a single stream's speculative verification steps (up to 9 rows)
  * keep one-row decoding's (the tiles would be faster from 6-8 rows: Q6_K 9 rows 0.19 -> 0.13 ms) */
 #define AMX_ROWS_Q8 3
@@ -2207,8 +2209,6 @@ int qgemm_amx_on(void) {
 #endif
 }
 
-/* the int8 vector batches (gemm_vnni with AVX-512 VNNI, else gemm_i8v with AVX2) on or off for this process
- * (benchmarks and tests compare the paths); returns whether they are on (0 where the build has neither) */
 /* the batch size from which auto stops taking gemm_k for the two-level layouts (where AMX does not take them) */
 int qgemm_int8_rows_k(void) {
 #ifdef WQ_AVX2
@@ -2218,6 +2218,8 @@ int qgemm_int8_rows_k(void) {
 #endif
 }
 
+/* the int8 vector batches (gemm_vnni with AVX-512 VNNI, else gemm_i8v with AVX2) on or off for this process
+ * (benchmarks and tests compare the paths); returns whether they are on (0 where the build has neither) */
 int qgemm_set_int8_vectors(int on) {
 #if defined(WQ_TILES)
     vnni_state = on;
