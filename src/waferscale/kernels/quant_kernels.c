@@ -41,6 +41,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(WS_PORTABLE)
 #include <immintrin.h>
 #define WQ_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define WQ_TILES 1 /* batches on int8 vectors with AVX-512 VNNI (gemm_vnni), the AMX tiles' counterpart */
+#endif
 #endif
 
 #define QB 32 /* activation block: K must be a multiple of it */
@@ -1063,7 +1066,7 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
  * is faster up to 28 (2-core Zen 5 EPYC, 1B shapes, gemm_k's time over gemm_vnni's: Q4_K 0.67-0.90x at 16 rows,
  * 0.52-0.72x at 20, 0.75-0.79x at 24, 0.89-0.98x at 28, 0.96-1.09x at 32; Q6_K 0.80-0.93x, 0.65-0.77x, 0.86-0.92x,
  * 0.98-1.03x, 0.95-1.08x). So a few streams' speculative verification steps keep one-row decoding's numbers too. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef WQ_TILES
 #define INT8_ROWS_K 28
 #else
 #define INT8_ROWS_K 16
@@ -1428,8 +1431,7 @@ static void stage_rows(const uint8_t *w, const int bits, const int sgn, int64_t 
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define WQ_TILES 1
+#ifdef WQ_TILES
 /* acc[i] (lanes: input rows m0 .. m0 + 15) holds weight row n0 + i's sums, i < nrows (16 or 32): written as input
  * rows of nrows sums each (vector stores for float32 out), `rows` of them */
 static void amx_store(const __m512 *acc, int nrows, int64_t rows, int64_t m0, int64_t n0, const float *bias,
