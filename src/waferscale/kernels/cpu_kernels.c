@@ -293,10 +293,10 @@ static inline float hsum(vf v) {
  * acc is set, not added to. The same products summed in the same order as att_values. */
 static inline __attribute__((always_inline)) void att_values_grouped_fmt(const float *p, const void *v_cache,
                                                                           int fmt, const float *v_scale,
-                               const int64_t *table, int64_t pos0, int64_t n, int64_t G, int64_t KVH, int64_t D,
-                               int64_t block_size, float *acc) {
+                               const int64_t *table, int64_t pos0, int64_t n, int64_t G, int64_t KVH, int64_t g0,
+                               int64_t g1, int64_t D, int64_t block_size, float *acc) {
     const int64_t row_len = KVH * D, qg = kv_group(D), ng = D / qg;
-    for (int64_t g = 0; g < KVH; g++)
+    for (int64_t g = g0; g < g1; g++)
         for (int64_t c = 0; c < D; c += VL) {
             vf a[ATT_MAX_GROUP];
             for (int64_t h = 0; h < G; h++) a[h] = (vf){0};
@@ -315,11 +315,12 @@ static inline __attribute__((always_inline)) void att_values_grouped_fmt(const f
         }
 }
 
-/* att_values_grouped_fmt compiled per cache format and group size */
+/* att_values_grouped_fmt compiled per cache format and group size, for kv heads g0 .. g1 - 1 */
 static void att_values_grouped(const float *p, const void *v_cache, int fmt, const float *v_scale,
-                               const int64_t *table, int64_t pos0, int64_t n, int64_t H, int64_t KVH, int64_t D,
-                               int64_t block_size, float *acc) {
-#define ATT_VALUES_G(F, GG) att_values_grouped_fmt(p, v_cache, F, v_scale, table, pos0, n, GG, KVH, D, block_size, acc)
+                               const int64_t *table, int64_t pos0, int64_t n, int64_t H, int64_t KVH, int64_t g0,
+                               int64_t g1, int64_t D, int64_t block_size, float *acc) {
+#define ATT_VALUES_G(F, GG) \
+    att_values_grouped_fmt(p, v_cache, F, v_scale, table, pos0, n, GG, KVH, g0, g1, D, block_size, acc)
     ATT_SPECIALIZED(ATT_VALUES_G)
 #undef ATT_VALUES_G
 }
@@ -332,10 +333,11 @@ static inline __attribute__((always_inline)) void att_scores_grouped_fmt(const f
                                                                           int fmt, const float *k_scale,
                                                                           const int64_t *table, int64_t pos0,
                                                                           int64_t n, int64_t G, int64_t KVH,
-                                                                          int64_t D, int64_t block_size, float scale,
+                                                                          int64_t g0, int64_t g1, int64_t D,
+                                                                          int64_t block_size, float scale,
                                                                           float *scores) {
     const int64_t row_len = KVH * D, qg = kv_group(D), ng = D / qg;
-    for (int64_t g = 0; g < KVH; g++) {
+    for (int64_t g = g0; g < g1; g++) {
         const float *qgp = qb + g * G * D;
         slot_walk_t walk = slot_walk(table, pos0, block_size);
         for (int64_t t = 0; t < n; t++) {
@@ -361,11 +363,12 @@ static inline __attribute__((always_inline)) void att_scores_grouped_fmt(const f
     }
 }
 
+/* att_scores_grouped_fmt compiled per cache format and group size, for kv heads g0 .. g1 - 1 */
 static void att_scores_grouped(const float *qb, const void *k_cache, int fmt, const float *k_scale,
-                               const int64_t *table, int64_t pos0, int64_t n, int64_t H, int64_t KVH, int64_t D,
-                               int64_t block_size, float scale, float *scores) {
+                               const int64_t *table, int64_t pos0, int64_t n, int64_t H, int64_t KVH, int64_t g0,
+                               int64_t g1, int64_t D, int64_t block_size, float scale, float *scores) {
 #define ATT_SCORES_G(F, GG) \
-    att_scores_grouped_fmt(qb, k_cache, F, k_scale, table, pos0, n, GG, KVH, D, block_size, scale, scores)
+    att_scores_grouped_fmt(qb, k_cache, F, k_scale, table, pos0, n, GG, KVH, g0, g1, D, block_size, scale, scores)
     ATT_SPECIALIZED(ATT_SCORES_G)
 #undef ATT_SCORES_G
 }
@@ -404,6 +407,12 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
         pl = (float *)malloc((size_t)(T * H) * sizeof(float));
         pacc = (float *)malloc((size_t)(T * H * D) * sizeof(float));
     }
+    /* Fewer tasks than threads (one stream of up to ATT_CHUNK positions): each task's kv heads become tasks of their
+     * own (on the grouped kernels), so that the other threads do not wait. Not with more tasks: threads then shared
+     * chunks, and one chunk's heads read by two cores measured slower. A head's numbers are the same whichever task
+     * computes them. */
+    const int grouped = D % 16 == 0 && H / KVH <= ATT_MAX_GROUP;
+    const int64_t S = grouped && T < (int64_t)omp_get_max_threads() ? KVH : 1, G = H / KVH;
 #pragma omp parallel
     {
         int64_t cap = 0;
@@ -411,7 +420,9 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
         float *row = (float *)malloc((size_t)row_len * sizeof(float));
         float *acc = (float *)malloc((size_t)(H * D) * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < T; task++) {
+        for (int64_t st = 0; st < T * S; st++) {
+            const int64_t task = st / S, g0 = S == 1 ? 0 : st % S, g1 = S == 1 ? KVH : g0 + 1;
+            const int64_t h0 = g0 * G, h1 = g1 * G;
             const int64_t b = task_seq[task], chunks = first_task[b + 1] - first_task[b];
             const int64_t c = task - first_task[b], seq_first = starts ? starts[b] : 0;
             const int64_t first = seq_first + c * ATT_CHUNK;
@@ -424,11 +435,12 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
             }
             const float *qb = q + b * H * D;
             const int64_t *table = tables + b * W;
-            if (D % 16 == 0 && H / KVH <= ATT_MAX_GROUP)
-                att_scores_grouped(qb, k_cache, fmt, k_scale, table, first, len, H, KVH, D, block_size, scale, scores);
+            if (grouped)
+                att_scores_grouped(qb, k_cache, fmt, k_scale, table, first, len, H, KVH, g0, g1, D, block_size, scale,
+                                   scores);
             else
                 att_scores(qb, k_cache, fmt, k_scale, table, first, len, H, KVH, D, block_size, scale, row, scores);
-            for (int64_t h = 0; h < H; h++) {
+            for (int64_t h = h0; h < h1; h++) {
                 float *sh = scores + h * len;
                 float m = chunks == 1 && sinks ? sinks[h] : -FLT_MAX;
                 for (int64_t t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;
@@ -448,13 +460,15 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
 #pragma omp simd
                 for (int64_t t = 0; t < len; t++) sh[t] *= inv;
             }
-            if (D % 16 == 0 && H / KVH <= ATT_MAX_GROUP) {
-                att_values_grouped(scores, v_cache, fmt, v_scale, table, first, len, H, KVH, D, block_size, acc);
+            if (grouped) {
+                att_values_grouped(scores, v_cache, fmt, v_scale, table, first, len, H, KVH, g0, g1, D, block_size,
+                                   acc);
             } else {
                 memset(acc, 0, (size_t)(H * D) * sizeof(float));
                 att_values(scores, v_cache, fmt, v_scale, table, first, len, H, KVH, D, block_size, row, acc);
             }
-            memcpy(chunks == 1 ? out + b * H * D : pacc + task * H * D, acc, (size_t)(H * D) * sizeof(float));
+            memcpy((chunks == 1 ? out + b * H * D : pacc + task * H * D) + h0 * D, acc + h0 * D,
+                   (size_t)((h1 - h0) * D) * sizeof(float));
         }
         free(scores);
         free(row);
