@@ -910,15 +910,19 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
             }
         }
         const float d = ws->sup[sb];
+        /* the mins' 8 integer products with x's block sums in one multiply (exact: the same int32 sum as one by one) */
+        const __m256i mv = wm->b ? _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wm->b + sb * 8)))
+                                 : _mm256_setzero_si256();
         for (int m = 0; m < mt; m++) {
             const float dx = xd[m * (K / KS) + sb];
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * dx), acc[m]);
             if (wm->b) {
-                const uint8_t *mb = wm->b + sb * 8;
-                const int32_t *gb = xb + m * (K / QB) + sb * 8;
-                int32_t t = 0;
-                for (int j = 0; j < 8; j++) t += (int32_t)mb[j] * gb[j];
-                mins[m] += wm->sup[sb] * dx * (float)t;
+                const __m256i gb = _mm256_loadu_si256((const __m256i *)(xb + m * (K / QB) + sb * 8));
+                const __m256i p = _mm256_mullo_epi32(mv, gb);
+                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+                mins[m] += wm->sup[sb] * dx * (float)_mm_cvtsi128_si32(t);
             }
         }
     }
