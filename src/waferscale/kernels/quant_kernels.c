@@ -864,7 +864,6 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
                                                         int64_t K, float sums[4], const int mt, const int bits,
                                                         const int sgn, const int g16) {
     __m256 acc[4];
-    float mins[4] = {0.f, 0.f, 0.f, 0.f};
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const int per = g16 ? 16 : 8; /* groups a super-block */
@@ -895,7 +894,8 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
                 }
             }
         } else {
-            for (int j = 0; j < KS / QB; j++) {
+#pragma GCC unroll 8
+            for (int j = 0; j < KS / QB; j++) { /* unrolled: each block's scale shuffle a constant */
                 const int64_t kb = k0 + j * QB;
                 const __m256i wv = block_bytes(w + kb / QB * BLOCK_BYTES(bits), bits, sgn);
                 const __m256i wu = sgn ? _mm256_sign_epi8(wv, wv) : wv;
@@ -910,7 +910,8 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
             }
         }
         const float d = ws->sup[sb];
-        /* the mins' 8 integer products with x's block sums in one multiply (exact: the same int32 sum as one by one) */
+        /* the mins: their 8 integer products with x's block sums (exact in float32: |product| < 2^24) formed together
+         * and added to the products' lanes, scaled per super-block: no horizontal sum until the row's end */
         const __m256i mv = wm->b ? _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wm->b + sb * 8)))
                                  : _mm256_setzero_si256();
         for (int m = 0; m < mt; m++) {
@@ -918,15 +919,12 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * dx), acc[m]);
             if (wm->b) {
                 const __m256i gb = _mm256_loadu_si256((const __m256i *)(xb + m * (K / QB) + sb * 8));
-                const __m256i p = _mm256_mullo_epi32(mv, gb);
-                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-                mins[m] += wm->sup[sb] * dx * (float)_mm_cvtsi128_si32(t);
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mv, gb)),
+                                         _mm256_set1_ps(wm->sup[sb] * dx), acc[m]);
             }
         }
     }
-    for (int m = 0; m < mt; m++) sums[m] = hsum(acc[m]) + mins[m];
+    for (int m = 0; m < mt; m++) sums[m] = hsum(acc[m]);
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512F__)
