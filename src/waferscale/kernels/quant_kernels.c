@@ -22,7 +22,7 @@
  *       activations), so a block's dot product is exact in 32-bit integers (maddubs + madd on AVX2, dpbusd with
  *       VNNI), then scaled once in float32; the mins meet the float32 sum of x over their group. Every row's result
  *       depends only on that row, never on the batch.
- *   auto (the default): below INT8_ROWS_K rows (16; 28 with AVX-512 VNNI) the two-level layouts (K-quants, int4)
+ *   auto (the default): below INT8_ROWS_K rows (32; 28 with AVX-512 VNNI) the two-level layouts (K-quants, int4)
  *       with activations rounded to int8 per 256 and integer sums over each super-block (gemm_k), and below
  *       INT8_ROWS_Q8 (12) 8-bit blocks (Q8_0, Q5_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp
  *       multiplies them; on CPUs with AMX,
@@ -95,7 +95,7 @@ static inline float f16_f32(uint16_t h) {
  * in float32), with fewer bytes to read. */
 enum { SC_F32 = 0, SC_F16 = 1, SC_TWO_LEVEL = 2, SC_E8M0 = 3 };
 /* qgemm's activations (act): float32 (exact weights), int8 per 32 (every layout, every batch), or auto (see the
- * top of this file: gemm_k and gemm_q8 below 16 and 12 rows, float32 for the rest) */
+ * top of this file: gemm_k and gemm_q8 below INT8_ROWS_K and 12 rows, float32 for the rest) */
 enum { ACT_FLOAT32 = 0, ACT_INT8 = 1, ACT_AUTO = 2 };
 typedef struct {
     const float *f;
@@ -1063,15 +1063,17 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
  * EPYC (Zen 1, AVX2, no VNNI: its slowest integer units) with bench_qgemm.py, 1B shapes, time of the integer path
  * over the panels': the K-quants 0.63-0.75x at 10 rows, 0.81-1.08x at 16, 0.87-1.17x at 24; 8-bit blocks 0.75-0.94x
  * at 10, 0.90-1.16x at 16, 1.3-1.45x at 32. CPUs with VNNI or full-width AVX2 units favour the integer paths more.
- * Where the batches go to int8 vectors instead: gemm_i8v (AVX2) takes the K-quants from 16 rows as fast as gemm_k
- * (0.90-1.05x); gemm_vnni (AVX-512 VNNI) costs as much for 17-32 rows as for 32 (16 input rows a vector), and gemm_k
- * is faster up to 28 (2-core Zen 5 EPYC, 1B shapes, gemm_k's time over gemm_vnni's: Q4_K 0.67-0.90x at 16 rows,
+ * Where the batches go to int8 vectors instead: gemm_i8v (AVX2) takes the K-quants from 32 rows (gemm_k's time over
+ * gemm_i8v's, as built for AVX2 on a 2-core Zen 5 EPYC, 1B shapes, Q4_K and Q6_K: 0.67-0.80x at 16-20 rows, 0.79-0.97x
+ * at 24, 0.82-0.98x at 32, 0.84-1.03x at 48-64; a 1B Q4_K_M decode step of 16 streams 0.8x, of 24 and 32 the same
+ * within the noise); gemm_vnni (AVX-512 VNNI) costs as
+ * much for 17-32 rows as for 32 (16 input rows a vector), and gemm_k is faster up to 28 (2-core Zen 5 EPYC, 1B shapes, gemm_k's time over gemm_vnni's: Q4_K 0.67-0.90x at 16 rows,
  * 0.52-0.72x at 20, 0.75-0.79x at 24, 0.89-0.98x at 28, 0.96-1.09x at 32; Q6_K 0.80-0.93x, 0.65-0.77x, 0.86-0.92x,
  * 0.98-1.03x, 0.95-1.08x). So a few streams' speculative verification steps keep one-row decoding's numbers too. */
 #ifdef WQ_TILES
 #define INT8_ROWS_K 28
 #else
-#define INT8_ROWS_K 16
+#define INT8_ROWS_K 32
 #endif
 #define INT8_ROWS_Q8 12
 
@@ -1700,10 +1702,9 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
  * of 32 go through amx_tail. */
 /* the batch sizes from which the tiles take a layout. 8-bit blocks from 3 rows, where they beat gemm_q8 (Gemma 3
  * 270M's 262k-row Q8_0 head: 9 rows 20.8 -> 8.9 ms); below, q8_exact gives each row the tiles' very sums. The
- * two-level layouts from 16 (INT8_ROWS_K where VNNI does not raise it), where gemm_k's activations per 256 stop: the
- * tiles round them per 32, so
- * a row's numbers change where the path does, and a single stream's speculative verification steps (up to 9 rows)
- * keep one-row decoding's (the tiles would be faster from 6-8 rows: Q6_K 9 rows 0.19 -> 0.13 ms) */
+ * two-level layouts from 16 rows, where the tiles take over from gemm_k (activations per 256): the tiles round them
+ * per 32, so a row's numbers change where the path does, and a single stream's speculative verification steps (up
+ * to 9 rows) keep one-row decoding's (the tiles would be faster from 6-8 rows: Q6_K 9 rows 0.19 -> 0.13 ms) */
 #define AMX_ROWS_Q8 3
 #define AMX_ROWS_K 16
 static int amx_state = -1; /* -1 not asked yet, 0 unavailable or off, 1 on */
