@@ -1066,10 +1066,11 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
  * Where the batches go to int8 vectors instead: gemm_i8v (AVX2) takes the K-quants from 32 rows (gemm_k's time over
  * gemm_i8v's, as built for AVX2 on a 2-core Zen 5 EPYC, 1B shapes, Q4_K and Q6_K: 0.67-0.80x at 16-20 rows, 0.79-0.97x
  * at 24, 0.82-0.98x at 32, 0.84-1.03x at 48-64; a 1B Q4_K_M decode step of 16 streams 0.8x, of 24 and 32 the same
- * within the noise); gemm_vnni (AVX-512 VNNI) costs as
- * much for 17-32 rows as for 32 (16 input rows a vector), and gemm_k is faster up to 28 (2-core Zen 5 EPYC, 1B shapes, gemm_k's time over gemm_vnni's: Q4_K 0.67-0.90x at 16 rows,
- * 0.52-0.72x at 20, 0.75-0.79x at 24, 0.89-0.98x at 28, 0.96-1.09x at 32; Q6_K 0.80-0.93x, 0.65-0.77x, 0.86-0.92x,
- * 0.98-1.03x, 0.95-1.08x). So a few streams' speculative verification steps keep one-row decoding's numbers too. */
+ * within the noise); gemm_vnni (AVX-512 VNNI) costs as much for 17-32 rows as for 32 (16 input rows a vector), and
+ * gemm_k is faster up to 28 (2-core Zen 5 EPYC, 1B shapes, gemm_k's time over gemm_vnni's: Q4_K 0.67-0.90x at 16
+ * rows, 0.52-0.72x at 20, 0.75-0.79x at 24, 0.89-0.98x at 28, 0.96-1.09x at 32; Q6_K 0.80-0.93x, 0.65-0.77x,
+ * 0.86-0.92x, 0.98-1.03x, 0.95-1.08x). So a few streams' speculative verification steps keep one-row decoding's
+ * numbers too. */
 #ifdef WQ_TILES
 #define INT8_ROWS_K 28
 #else
