@@ -114,6 +114,8 @@ INT8_ROWS_K, INT8_ROWS_Q8 = (native.int8_rows_k() if native else 32), 12
 # it has none, their vector counterparts (gemm_vnni with AVX-512 VNNI, gemm_i8v with AVX2) from the row paths' limits
 AMX_ROWS_K, AMX_ROWS_Q8 = 16, 3
 TILE_ROWS = {"amx": (AMX_ROWS_K, AMX_ROWS_Q8), "vectors": (INT8_ROWS_K, INT8_ROWS_Q8)}
+# the vectors round a K-quant batch's activations per 256 with AVX2 (as its row path does), per 32 with AVX-512 VNNI
+VECTORS_BLOCK_K = native.int8_vectors_block_k() if native else 0
 
 
 # qgemm's activation modes (quant.ACTIVATION_MODES)
@@ -152,6 +154,8 @@ def _tile_rows(w: QuantWeight, act: int, rows: int, tiles: str | None) -> bool:
 def _int8_block(w: QuantWeight, act: int, rows: int, tiles: str | None = None) -> int | None:
     """The block over which a mode rounds activations to int8 for this weight and batch, or None (float32, or
     int16: _int16_rows)."""
+    if _tile_rows(w, act, rows, tiles) and tiles == "vectors" and w.scale_format == 2:
+        return VECTORS_BLOCK_K
     if act == INT8 or _tile_rows(w, act, rows, tiles):
         return 32
     if act != AUTO or not native_avx2():
@@ -261,13 +265,13 @@ def test_packed_5_and_6_bit_blocks_give_what_the_same_values_as_bytes_give(kind,
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_int8_tiles_give_each_row_the_integer_sums(kind, tiles):
     """Where the CPU has AMX, auto multiplies 8-bit blocks from 3 rows, and Q4_K, Q5_K and Q6_K from 16, by tiles;
-    elsewhere (or with AMX off), by vectors (AVX-512 VNNI or AVX2) that sum as the tiles do, from 12 rows and
-    INT8_ROWS_K (28 or 32): 33 rows (two tile groups and a part) against 100 weight rows (three 32-row tasks and 4
-    rows past them) give each row, bias included, the products of its int8 activations (per 32) with the weights as
-    the int8 mode sums them, within float32 rounding; each row the same bits in the fewest rows the tiles take; with
-    AMX, for 8-bit blocks, the very bits the row alone gets (its own kernel sums and scales each block as the tiles
-    do: a speculative verification step's rows give what one-row decoding gives); bf16 out with a residual is those
-    sums rounded as torch rounds them."""
+    elsewhere (or with AMX off), by vectors (AVX-512 VNNI or AVX2) from 12 rows and INT8_ROWS_K (28 or 32): 33 rows
+    (two tile groups and a part) against 100 weight rows (three 32-row tasks and 4 rows past them) give each row, bias
+    included, the products of its int8 activations (per 32) with the weights as the int8 mode sums them (AVX2's
+    vectors, the K-quants: per 256, as each row alone sums them), within float32 rounding; each row the same bits in
+    the fewest rows the tiles take; with AMX, for 8-bit blocks, the very bits the row alone gets (its own kernel sums
+    and scales each block as the tiles do: a speculative verification step's rows give what one-row decoding gives);
+    bf16 out with a residual is those sums rounded as torch rounds them."""
     if tiles == "amx" and not native.set_amx(True):
         pytest.skip("no AMX on this CPU (or the OS does not grant it)")
     if tiles == "vectors":
@@ -290,8 +294,12 @@ def _check_tile_sums(kind: str, tiles: str) -> None:
     residual = torch.randn(rows, n, generator=gen).bfloat16()
     y = torch.empty(rows, n)
     native.qgemm(x, w, y, bias=bias, act=AUTO)
-    products = torch.empty(rows, n)  # act=int8: every layout's int8 products per 32, without tiles
-    native.qgemm(x, w, products, bias=bias, act=INT8)
+    products = torch.empty(rows, n)
+    if _int8_block(w, AUTO, rows, tiles) == 256:  # AVX2's vectors round x per 256, as a row alone does (gemm_k)
+        for r in range(rows):
+            native.qgemm(x[r : r + 1].contiguous(), w, products[r : r + 1], bias=bias, act=AUTO)
+    else:  # act=int8: every layout's int8 products per 32, without tiles
+        native.qgemm(x, w, products, bias=bias, act=INT8)
     assert ((y - products).norm() / products.norm()) < 1e-5
     dense = torch.empty(rows, n)
     native.qgemm(x, w, dense, bias=bias, act=FLOAT32)

@@ -149,6 +149,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qgemm_set_int8_vectors.restype = ctypes.c_int
     lib.qgemm_int8_rows_k.argtypes = []
     lib.qgemm_int8_rows_k.restype = ctypes.c_int
+    lib.qgemm_int8_vectors_block_k.argtypes = []
+    lib.qgemm_int8_vectors_block_k.restype = ctypes.c_int
     lib.gemm_bf16_tiles.argtypes = []
     lib.gemm_bf16_tiles.restype = ctypes.c_int
     lib.decode_layer.argtypes = [ptr, i64, i64] + [ptr] * 6 + [i64, ptr, f32] + [ptr] * 4
@@ -818,6 +820,11 @@ class NativeKernels:
         with activations per 256 where AMX does not take them: 32 with AVX2, 28 where AVX-512 VNNI takes the batches, 0
         in the portable build."""
         return self.lib.qgemm_int8_rows_k()
+
+    def int8_vectors_block_k(self) -> int:
+        """How many values share an int8 scale when the int8 vector kernels take a K-quant batch: 256 with AVX2 (as
+        the row path, llama.cpp's Q8_K), 32 with AVX-512 VNNI (as the AMX tiles), 0 where the build has neither."""
+        return self.lib.qgemm_int8_vectors_block_k()
 
     def bf16_tiles(self) -> bool:
         """Whether batches of bf16 rows (from 17) multiply packed bf16 weights on AMX tiles: then packed panels

@@ -364,6 +364,56 @@ static inline void put(float v, int64_t m, int64_t n, const float *bias, const u
     ((uint16_t *)out)[m * ldo + n] = f32_bf16(v);
 }
 
+#ifdef WQ_AVX2
+/* 8 float32 sums as put stores them (bias already added): bf16 rounded to nearest even, NaN kept a NaN, plus the
+ * bf16 residual where there is one (then rounded again), or float32 */
+static inline __attribute__((always_inline)) __m256i bf16x8(__m256 y) {
+    const __m256i u = _mm256_castps_si256(y);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rne = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(rne, quiet, nan); /* 8 int32, each a bf16's bits */
+}
+
+static inline __attribute__((always_inline)) void put8(__m256 y, int64_t m, int64_t n, const uint16_t *res, void *out,
+                                                       int out_bf16, int64_t ldo) {
+    if (!out_bf16) {
+        _mm256_storeu_ps((float *)out + m * ldo + n, y);
+        return;
+    }
+    __m256i b = bf16x8(y);
+    if (res) {
+        const __m256 r = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(res + m * ldo + n))), 16));
+        b = bf16x8(_mm256_add_ps(r, _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))));
+    }
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
+    _mm_storeu_si128((__m128i *)((uint16_t *)out + m * ldo + n), _mm256_castsi256_si128(p));
+}
+
+/* v [16 weight rows][16 input rows] sums of weight rows n0 .. n0 + nr - 1 and input rows m0 .. m0 + rows - 1, put
+ * as put puts each (vector stores where all 16 weight rows are there) */
+static void put16(const float v[16][16], int64_t rows, int64_t nr, int64_t m0, int64_t n0, const float *bias,
+                  const uint16_t *res, void *out, int out_bf16, int64_t ldo) {
+    if (nr < 16) {
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t i = 0; i < nr; i++) put(v[i][m], m0 + m, n0 + i, bias, res, out, out_bf16, ldo);
+        return;
+    }
+    for (int64_t m = 0; m < rows; m++) {
+        float t[16] __attribute__((aligned(32)));
+        for (int i = 0; i < 16; i++) t[i] = v[i][m];
+        for (int h = 0; h < 2; h++) {
+            __m256 y = _mm256_load_ps(t + 8 * h);
+            if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias + n0 + 8 * h));
+            put8(y, m0 + m, n0 + 8 * h, res, out, out_bf16, ldo);
+        }
+    }
+}
+#endif
+
 /* ---------------------------------------------------------------- float32 activations (the default)
  *
  * The weights are dequantized exactly (scale * q rounded, then + min: what qdequant and gguf.quants.dequantize give)
@@ -1063,10 +1113,10 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
  * EPYC (Zen 1, AVX2, no VNNI: its slowest integer units) with bench_qgemm.py, 1B shapes, time of the integer path
  * over the panels': the K-quants 0.63-0.75x at 10 rows, 0.81-1.08x at 16, 0.87-1.17x at 24; 8-bit blocks 0.75-0.94x
  * at 10, 0.90-1.16x at 16, 1.3-1.45x at 32. CPUs with VNNI or full-width AVX2 units favour the integer paths more.
- * Where the batches go to int8 vectors instead: gemm_i8v (AVX2) takes the K-quants from 32 rows (gemm_k's time over
- * gemm_i8v's, as built for AVX2 on a 2-core Zen 5 EPYC, 1B shapes, Q4_K and Q6_K: 0.67-0.80x at 16-20 rows, 0.79-0.97x
- * at 24, 0.82-0.98x at 32, 0.84-1.03x at 48-64; a 1B Q4_K_M decode step of 16 streams 0.8x, of 24 and 32 the same
- * within the noise); gemm_vnni (AVX-512 VNNI) costs as much for 17-32 rows as for 32 (16 input rows a vector), and
+ * Where the batches go to int8 vectors instead: gemm_i8k (AVX2) takes the K-quants from 32 rows (set against
+ * gemm_i8v, which took them before it, as built for AVX2 on a 2-core Zen 5 EPYC, 1B shapes, Q4_K and Q6_K: gemm_k's
+ * time over gemm_i8v's 0.67-0.80x at 16-20 rows, 0.79-0.97x at 24, 0.82-0.98x at 32; gemm_i8k's over gemm_k's
+ * 0.81-1.05x at 16 rows, 0.88-1.10x at 24, so no gain in moving the limit down); gemm_vnni (AVX-512 VNNI) costs as much for 17-32 rows as for 32 (16 input rows a vector), and
  * gemm_k is faster up to 28 (2-core Zen 5 EPYC, 1B shapes, gemm_k's time over gemm_vnni's: Q4_K 0.67-0.90x at 16
  * rows, 0.52-0.72x at 20, 0.75-0.79x at 24, 0.89-0.98x at 28, 0.96-1.09x at 32; Q6_K 0.80-0.93x, 0.65-0.77x,
  * 0.86-0.92x, 0.98-1.03x, 0.95-1.08x). So a few streams' speculative verification steps keep one-row decoding's
@@ -1674,8 +1724,7 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                         }
                         for (int r = 0; r < 4; r++) _mm256_storeu_ps(c[r0 + r] + 8 * h, acc[r]);
                     }
-                for (int64_t m = 0; m < rows; m++)
-                    for (int i = 0; i < 16; i++) put(c[i][m], m0 + m, n0 + i, bias, res, out, out_bf16, ldo);
+                put16((const float(*)[16])c, rows, 16, m0, n0, bias, res, out, out_bf16, ldo);
             }
         }
         free(wide);
@@ -1686,6 +1735,209 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
         amx_tail(in.xq, in.xs, in.xg, M, K, w, bits, sgn, G, ws, wm, tasks * 16, N, bias, res, out, out_bf16, ldo,
                  table);
     amx_inputs_free(&in);
+}
+
+/* Batches of the two-level layouts (Q4_K, Q5_K, Q6_K) on AVX2 without VNNI: x rounded to int8 per 256 as gemm_k
+ * rounds it (llama.cpp's Q8_K), so that each super-block sums in 32-bit integers with the groups' integer scales
+ * (vpmaddwd of a group's int16 pair sums with its scale, where gemm_i8v converts and scales every 32-block), and 2
+ * weight rows x 16 input rows a pass: per 4-byte step, 2 loads of x and 2 weight broadcasts feed 4 vpmaddubsw (gemm_i8v
+ * loads twice for each). The mins meet x's integer sums per group (vpmaddwd of pairs of groups). Overflow is ruled out
+ * as in gemm_k: pairs summed in int16 over 8 steps for 4-bit weights (|w| <= 15), 4 for Q5_K's and Q6_K's. */
+typedef struct {
+    int8_t *bt;   /* [mg][K / 4][16][4]: input rows 16 m0 .. 16 m0 + 15, 4 bytes a step (rows past M 0) */
+    float *xdt;   /* [mg][K / 256][16] their scales */
+    int16_t *xst; /* [mg][K / 64][16][2] their sums per 32, two groups a pair (for layouts with mins) */
+} i8k_in_t;
+
+static i8k_in_t i8k_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int sums) {
+    const int64_t mg = (M + 15) / 16, nsb = K / KS, nb = K / QB;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xd = (float *)malloc((size_t)(M * nsb) * sizeof(float));
+    int32_t *xb = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
+    quantize_rows_k(x, x_bf16, M, K, 0, xq, xd, xb);
+    i8k_in_t in;
+    in.bt = (int8_t *)aligned_alloc(64, (size_t)(mg * K * 16));
+    memset(in.bt, 0, (size_t)(mg * K * 16));
+    in.xdt = (float *)calloc((size_t)(mg * nsb * 16), sizeof(float));
+    in.xst = sums ? (int16_t *)calloc((size_t)(mg * nb * 16), sizeof(int16_t)) : NULL;
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *tile = in.bt + (m / 16) * K * 16 + (m % 16) * 4;
+        for (int64_t k = 0; k < K; k += 4) memcpy(tile + k * 16, xq + m * K + k, 4);
+        for (int64_t s = 0; s < nsb; s++) in.xdt[((m / 16) * nsb + s) * 16 + m % 16] = xd[m * nsb + s];
+        if (sums) /* |sum| <= 32 * 127: an int16 */
+            for (int64_t b = 0; b < nb; b++)
+                in.xst[(((m / 16) * (nb / 2) + b / 2) * 16 + m % 16) * 2 + b % 2] = (int16_t)xb[m * nb + b];
+    }
+    free(xq);
+    free(xd);
+    free(xb);
+    return in;
+}
+
+/* one super-block of weight rows wr[0 .. R - 1] (bytes, at the super-block) against 16 input rows (xt: the
+ * super-block's steps, 64 bytes each): c[r][h] += their sums; sc: each row's group scales as int16 (from the
+ * super-block's first), mp: the mins' pairs as int16 pairs (or NULL), dr / mr: each row's super-scales, xd: the 16
+ * rows' scales, xs: their group-pair sums */
+static inline __attribute__((always_inline)) void i8k_pass(const uint8_t *const *wr, const int8_t *xt,
+                                                           const int16_t *const *sc, const int32_t *const *mp,
+                                                           const float *dr, const float *mr, const float *xd,
+                                                           const int16_t *xs, __m256 (*c)[2], const int R,
+                                                           const int sgn, const int g16, const int depth) {
+    const int per = g16 ? 16 : 8, js = g16 ? 4 : 8; /* groups a super-block, 4-byte steps a group */
+    __m256i i32[4][2];
+    for (int r = 0; r < R; r++) i32[r][0] = i32[r][1] = _mm256_setzero_si256();
+    for (int g = 0; g < per; g++) {
+        for (int j0 = 0; j0 < js; j0 += depth) {
+            __m256i p[4][2];
+            for (int r = 0; r < R; r++) p[r][0] = p[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int j = j0; j < j0 + depth; j++) {
+                const int k = g * js * 4 + 4 * j;
+                __m256i x0 = _mm256_load_si256((const __m256i *)(xt + 16 * k));
+                __m256i x1 = _mm256_load_si256((const __m256i *)(xt + 16 * k + 32));
+                __asm__("" : "+x"(x0), "+x"(x1)); /* loaded once for all the weight rows */
+                for (int r = 0; r < R; r++) {
+                    int32_t w4;
+                    memcpy(&w4, wr[r] + k, 4);
+                    const __m256i wb = _mm256_set1_epi32(w4);
+                    if (sgn) {
+                        const __m256i wa = _mm256_abs_epi8(wb);
+                        p[r][0] = _mm256_add_epi16(p[r][0], _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x0, wb)));
+                        p[r][1] = _mm256_add_epi16(p[r][1], _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x1, wb)));
+                    } else {
+                        p[r][0] = _mm256_add_epi16(p[r][0], _mm256_maddubs_epi16(wb, x0));
+                        p[r][1] = _mm256_add_epi16(p[r][1], _mm256_maddubs_epi16(wb, x1));
+                    }
+                    /* keeps each step's sums in their registers: GCC otherwise forms all the steps' products
+                     * first and spills them */
+                    __asm__("" : "+x"(p[r][0]), "+x"(p[r][1]));
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256i s = _mm256_set1_epi16(sc[r][g]);
+                i32[r][0] = _mm256_add_epi32(i32[r][0], _mm256_madd_epi16(p[r][0], s));
+                i32[r][1] = _mm256_add_epi32(i32[r][1], _mm256_madd_epi16(p[r][1], s));
+            }
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        const __m256 dx = _mm256_loadu_ps(xd + 8 * h);
+        for (int r = 0; r < R; r++) {
+            c[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[r][h]), _mm256_mul_ps(_mm256_set1_ps(dr[r]), dx), c[r][h]);
+            if (mp) {
+                __m256i im = _mm256_setzero_si256();
+                for (int q = 0; q < per / 2; q++) {
+                    const __m256i pair = _mm256_loadu_si256((const __m256i *)(xs + 32 * q + 16 * h));
+                    im = _mm256_add_epi32(im, _mm256_madd_epi16(pair, _mm256_set1_epi32(mp[r][q])));
+                }
+                c[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(_mm256_set1_ps(mr[r]), dx), c[r][h]);
+            }
+        }
+    }
+}
+
+#define I8K_R 2 /* weight rows a pass */
+#define I8K_FN(NAME, SGN, G16, DEPTH, MINS)                                                                      \
+    static __attribute__((noinline)) void NAME(const uint8_t *wide, const int16_t *sci, const int32_t *mpi,      \
+                                               const float *dsup, const float *msup, const i8k_in_t *in,         \
+                                               int64_t g0, int64_t K, __m256 c[16][2]) {                         \
+        const int64_t nsb = K / KS, ng = K / (G16 ? 16 : 32), per = ng / nsb;                                    \
+        for (int64_t s = 0; s < nsb; s++) {                                                                      \
+            const int8_t *xt = in->bt + g0 * K * 16 + s * KS * 16;                                               \
+            const float *xd = in->xdt + (g0 * nsb + s) * 16;                                                     \
+            const int16_t *xs = MINS ? in->xst + (g0 * (K / 64) + s * 4) * 32 : NULL;                             \
+            for (int r0 = 0; r0 < 16; r0 += I8K_R) {                                                             \
+                const uint8_t *wr[I8K_R];                                                                        \
+                const int16_t *sc[I8K_R];                                                                        \
+                const int32_t *mp[I8K_R];                                                                        \
+                float dr[I8K_R], mr[I8K_R];                                                                      \
+                for (int r = 0; r < I8K_R; r++) {                                                                \
+                    wr[r] = wide + (r0 + r) * K + s * KS;                                                        \
+                    sc[r] = sci + (r0 + r) * ng + s * per;                                                       \
+                    mp[r] = MINS ? mpi + (r0 + r) * (ng / 2) + s * (per / 2) : NULL;                             \
+                    dr[r] = dsup[(r0 + r) * nsb + s];                                                            \
+                    mr[r] = MINS ? msup[(r0 + r) * nsb + s] : 0.f;                                               \
+                }                                                                                                \
+                i8k_pass(wr, xt, sc, MINS ? mp : NULL, dr, mr, xd, xs, c + r0, I8K_R, SGN, G16, DEPTH);          \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+I8K_FN(i8k_q4, 0, 0, 8, 1)
+I8K_FN(i8k_q5, 0, 0, 4, 1)
+I8K_FN(i8k_q6, 1, 1, 4, 0)
+
+static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                     const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                     const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+    const int64_t ng = K / G, nsb = K / KS, mg = (M + 15) / 16, tasks = (N + 15) / 16;
+    const int64_t row_bytes = row_bytes_of(bits, K);
+    const int mins = wm != NULL && wm->b != NULL;
+    i8k_in_t in = i8k_inputs(x, x_bf16, M, K, mins);
+#pragma omp parallel
+    {
+        uint8_t *wide = (uint8_t *)aligned_alloc(64, (size_t)(16 * K));
+        int16_t *sci = (int16_t *)malloc((size_t)(16 * ng) * sizeof(int16_t));
+        int32_t *mpi = mins ? (int32_t *)malloc((size_t)(16 * ng / 2) * sizeof(int32_t)) : NULL;
+        float *dsup = (float *)malloc((size_t)(16 * nsb) * sizeof(float));
+        float *msup = mins ? (float *)malloc((size_t)(16 * nsb) * sizeof(float)) : NULL;
+        __m256 c[16][2];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t n0 = 16 * t, nr = N - n0 < 16 ? N - n0 : 16;
+            for (int i = 0; i < 16; i++) { /* the task's rows staged (rows past N: zeros) */
+                if (i >= nr) {
+                    memset(wide + i * K, 0, (size_t)K);
+                    for (int64_t g = 0; g < ng; g++) sci[i * ng + g] = 0;
+                    for (int64_t s = 0; s < nsb; s++) dsup[i * nsb + s] = 0.f;
+                    if (mins) {
+                        for (int64_t g = 0; g < ng / 2; g++) mpi[i * (ng / 2) + g] = 0;
+                        for (int64_t s = 0; s < nsb; s++) msup[i * nsb + s] = 0.f;
+                    }
+                    continue;
+                }
+                const sc_t sr = sc_row(*ws, n0 + i, ng);
+                for (int64_t g = 0; g < ng; g++) sci[i * ng + g] = sgn ? (int8_t)sr.b[g] : sr.b[g];
+                for (int64_t s = 0; s < nsb; s++) dsup[i * nsb + s] = sr.sup[s];
+                if (mins) {
+                    const sc_t mr = sc_row(*wm, n0 + i, ng);
+                    for (int64_t g = 0; g < ng / 2; g++)
+                        mpi[i * (ng / 2) + g] = (int32_t)((uint32_t)mr.b[2 * g] | ((uint32_t)mr.b[2 * g + 1] << 16));
+                    for (int64_t s = 0; s < nsb; s++) msup[i * nsb + s] = mr.sup[s];
+                }
+                const uint8_t *wr = w + (n0 + i) * row_bytes;
+                for (int64_t b = 0; b < K / QB; b++) {
+                    __m256i v;
+                    if (bits == 4) {
+                        const __m128i q = _mm_loadu_si128((const __m128i *)(wr + b * 16));
+                        v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)),
+                                             _mm_and_si128(q, _mm_set1_epi8(0x0F)));
+                    } else if (bits == 8)
+                        v = _mm256_loadu_si256((const __m256i *)(wr + b * QB));
+                    else
+                        v = block_bytes(wr + b * BLOCK_BYTES(bits), bits, sgn);
+                    _mm256_store_si256((__m256i *)(wide + i * K + b * QB), v);
+                }
+            }
+            for (int64_t g0 = 0; g0 < mg; g0++) {
+                for (int i = 0; i < 16; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+                if (bits == 4) i8k_q4(wide, sci, mpi, dsup, msup, &in, g0, K, c);
+                else if (sgn) i8k_q6(wide, sci, NULL, dsup, NULL, &in, g0, K, c);
+                else i8k_q5(wide, sci, mpi, dsup, msup, &in, g0, K, c);
+                float v[16][16] __attribute__((aligned(32)));
+                for (int i = 0; i < 16; i++) _mm256_store_ps(v[i], c[i][0]), _mm256_store_ps(v[i] + 8, c[i][1]);
+                const int64_t m0 = 16 * g0;
+                put16((const float(*)[16])v, M - m0 < 16 ? M - m0 : 16, nr, m0, n0, bias, res, out, out_bf16, ldo);
+            }
+        }
+        free(wide);
+        free(sci);
+        free(mpi);
+        free(dsup);
+        free(msup);
+    }
+    free(in.bt);
+    free(in.xdt);
+    free(in.xst);
 }
 #endif
 
@@ -2224,6 +2476,18 @@ int qgemm_int8_rows_k(void) {
 #endif
 }
 
+/* the values over which the int8 vector batches round the two-level layouts' activations: 256 with AVX2 (gemm_i8k,
+ * as gemm_k rounds them), 32 with AVX-512 VNNI (gemm_vnni, as the tiles), 0 where the build has neither */
+int qgemm_int8_vectors_block_k(void) {
+#if defined(WQ_TILES)
+    return QB;
+#elif defined(WQ_I8V)
+    return KS;
+#else
+    return 0;
+#endif
+}
+
 /* the int8 vector batches (gemm_vnni with AVX-512 VNNI, else gemm_i8v with AVX2) on or off for this process
  * (benchmarks and tests compare the paths); returns whether they are on (0 where the build has neither) */
 int qgemm_set_int8_vectors(int on) {
@@ -2293,6 +2557,10 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
     }
 #endif
 #ifdef WQ_I8V
+    if (act == ACT_AUTO && i8v_state && gemm_k_serves(bits, sgn, G, sfmt, K)) { /* past gemm_k's rows */
+        gemm_i8k(x, x_bf16, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N);
+        return;
+    }
     if (act == ACT_AUTO && i8v_state && gemm_i8v_serves(bits, sgn, G, sfmt, mins_v)) {
         gemm_i8v(x, x_bf16, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N, NULL);
         return;
