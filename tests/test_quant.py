@@ -167,9 +167,10 @@ def _int8_block(w: QuantWeight, act: int, rows: int, tiles: str | None = None) -
 
 def _int16_rows(w: QuantWeight, act: int, rows: int) -> bool:
     """Whether auto rounds this batch's activations to int16 per 32 (gemm_i16): one-level unsigned blocks of 32
-    (with mins), 4-bit (Q4_0, Q4_1, int4 where not two-level) or Q5_1's (in 5 bits or a byte), below PANEL_ROWS."""
+    (with mins), 4-bit (Q4_0, Q4_1, int4 where not two-level) or Q5_1's (in 5 bits or a byte): row by row below
+    PANEL_ROWS (gemm_i16), 16 rows a vector from there (gemm_i16b)."""
     one_level = w.scale_format != 2 and w.group == 32 and not w.signed and w.bits in (4, 5, 8)
-    return act == AUTO and native_avx2() and one_level and rows < PANEL_ROWS
+    return act == AUTO and native_avx2() and one_level
 
 
 def native_avx2() -> bool:
@@ -202,9 +203,9 @@ def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
                 assert torch.equal(part[-1], y[-1])
                 if _eight_bit(w):  # the same products as one row's, summed otherwise (K-quants: per 256 alone)
                     assert ((one[0] - y[-1]).norm() / y[-1].norm()) < 1e-5
-            elif block or rows < PANEL_ROWS:
+            elif (block and not _int16_rows(w, act, rows)) or rows < PANEL_ROWS:
                 assert torch.equal(one[0], y[-1])
-            else:  # the panels: the fewest rows that take them too
+            else:  # the panels (or the int16 batches): the fewest rows that take them too
                 fewer = next(n for n in range(PANEL_ROWS, rows + 1) if _int8_block(w, act, n) is None)
                 part = torch.empty(fewer, w.out_features)
                 lib.qgemm(x[-fewer:].contiguous(), w, part, act=act)

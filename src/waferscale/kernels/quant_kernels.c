@@ -29,8 +29,9 @@
  *       8-bit blocks from AMX_ROWS_Q8 (3) rows and the two-level layouts (Q4_K, Q5_K, Q6_K) from AMX_ROWS_K (16)
  *       with activations per 32 by int8 tiles (gemm_amx, gemm_amx16), 8-bit blocks below 3 rows by q8_exact (the
  *       tiles' sums row by row), and from AMX_BF16Q_ROWS (4) bf16 rows Q4_0, Q4_1 and Q5_1 by bf16 tiles
- *       (gemm_amx_bf16q); below PANEL_ROWS (6) one-level blocks with mins (Q4_0, Q4_1, Q5_1) with activations rounded
- *       to int16 per 32 (gemm_i16); float32 for everything else.
+ *       (gemm_amx_bf16q); elsewhere one-level blocks with mins (Q4_0, Q4_1, Q5_1) with activations rounded to int16
+ *       per 32 (gemm_i16 row by row below PANEL_ROWS (6), gemm_i16b from there); int8 vectors past the row paths
+ *       where the build has them (gemm_vnni, gemm_i8k, gemm_i8v); float32 for everything else.
  * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
  */
 #include <math.h>
@@ -1116,11 +1117,11 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
  * Where the batches go to int8 vectors instead: gemm_i8k (AVX2) takes the K-quants from 32 rows (set against
  * gemm_i8v, which took them before it, as built for AVX2 on a 2-core Zen 5 EPYC, 1B shapes, Q4_K and Q6_K: gemm_k's
  * time over gemm_i8v's 0.67-0.80x at 16-20 rows, 0.79-0.97x at 24, 0.82-0.98x at 32; gemm_i8k's over gemm_k's
- * 0.81-1.05x at 16 rows, 0.88-1.10x at 24, so no gain in moving the limit down); gemm_vnni (AVX-512 VNNI) costs as much for 17-32 rows as for 32 (16 input rows a vector), and
- * gemm_k is faster up to 28 (2-core Zen 5 EPYC, 1B shapes, gemm_k's time over gemm_vnni's: Q4_K 0.67-0.90x at 16
- * rows, 0.52-0.72x at 20, 0.75-0.79x at 24, 0.89-0.98x at 28, 0.96-1.09x at 32; Q6_K 0.80-0.93x, 0.65-0.77x,
- * 0.86-0.92x, 0.98-1.03x, 0.95-1.08x). So a few streams' speculative verification steps keep one-row decoding's
- * numbers too. */
+ * 0.81-1.05x at 16 rows, 0.88-1.10x at 24, so no gain in moving the limit down); gemm_vnni (AVX-512 VNNI) costs as
+ * much for 17-32 rows as for 32 (16 input rows a vector), and gemm_k is faster up to 28 (2-core Zen 5 EPYC, 1B
+ * shapes, gemm_k's time over gemm_vnni's: Q4_K 0.67-0.90x at 16 rows, 0.52-0.72x at 20, 0.75-0.79x at 24,
+ * 0.89-0.98x at 28, 0.96-1.09x at 32; Q6_K 0.80-0.93x, 0.65-0.77x, 0.86-0.92x, 0.98-1.03x, 0.95-1.08x). So a few
+ * streams' speculative verification steps keep one-row decoding's numbers too. */
 #ifdef WQ_TILES
 #define INT8_ROWS_K 28
 #else
@@ -1360,6 +1361,161 @@ static void gemm_i16(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     free(xg);
     free(xq);
     free(xs);
+}
+
+/* Batches of the one-level blocks with mins (Q4_0, Q4_1, Q5_1: gemm_i16's layouts) from PANEL_ROWS rows on AVX2: x
+ * rounded to int16 per 32 as gemm_i16 rounds it, 2 weight rows x 16 input rows a pass, per step of 2 values 2 loads
+ * of x and 2 weight pair broadcasts feeding 4 vpmaddwd (16 products each, where the float32 panels' FMA does 8), each
+ * block's exact int32 sum scaled once and its min met by x's float32 sums, as gemm_i16 does; so each row is what it is
+ * alone, within float32 rounding. */
+typedef struct {
+    int16_t *bt; /* [mg][K / 2][16][2]: input rows 16 m0 .. 16 m0 + 15, 2 values a step (rows past M 0) */
+    float *xst;  /* [mg][nb][16] their scales per block */
+    float *xgt;  /* [mg][nb][16] their float32 sums per block */
+} i16b_in_t;
+
+static i16b_in_t i16b_inputs(const void *x, int x_bf16, int64_t M, int64_t K) {
+    const int64_t mg = (M + 15) / 16, nb = K / QB;
+    float *xf = (float *)malloc((size_t)(M * K) * sizeof(float));
+    float *xg = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    int16_t *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
+    float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    quantize_rows(x, x_bf16, M, K, QB, NULL, NULL, xg, xf); /* the group sums as the float32 path forms them */
+    quantize_rows16(xf, M, K, xq, xs);
+    i16b_in_t in;
+    in.bt = (int16_t *)aligned_alloc(64, (size_t)(mg * K * 16) * sizeof(int16_t));
+    memset(in.bt, 0, (size_t)(mg * K * 16) * sizeof(int16_t));
+    in.xst = (float *)calloc((size_t)(mg * nb * 16), sizeof(float));
+    in.xgt = (float *)calloc((size_t)(mg * nb * 16), sizeof(float));
+    for (int64_t m = 0; m < M; m++) {
+        int16_t *tile = in.bt + (m / 16) * K * 16 + (m % 16) * 2;
+        for (int64_t k = 0; k < K; k += 2) memcpy(tile + k * 16, xq + m * K + k, 4);
+        for (int64_t b = 0; b < nb; b++) {
+            in.xst[((m / 16) * nb + b) * 16 + m % 16] = xs[m * nb + b];
+            in.xgt[((m / 16) * nb + b) * 16 + m % 16] = xg[m * nb + b];
+        }
+    }
+    free(xf);
+    free(xg);
+    free(xq);
+    free(xs);
+    return in;
+}
+
+/* blocks b0 .. b1 - 1 of weight rows wq[0..1] (int16, at the row's start) against 8 H input rows: c[r][h] += */
+static inline __attribute__((always_inline)) void i16b_pass(const int16_t *const wq[2], const float *const wsr[2],
+                                                            const float *const wmr[2], const i16b_in_t *in,
+                                                            int64_t g0, int64_t K, int64_t b0, int64_t b1,
+                                                            __m256 c[2][2], const int H) {
+    const int64_t nb = K / QB;
+    __m256 acc[2][2] = {{c[0][0], c[0][1]}, {c[1][0], c[1][1]}};
+    for (int64_t b = b0; b < b1; b++) {
+        const int16_t *xt = in->bt + g0 * K * 16 + b * QB * 16;
+        __m256i s[2][2];
+        for (int r = 0; r < 2; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+        for (int j = 0; j < QB / 2; j++) {
+            __m256i x0 = _mm256_load_si256((const __m256i *)(xt + 32 * j));
+            __m256i x1 = H == 2 ? _mm256_load_si256((const __m256i *)(xt + 32 * j + 16)) : x0;
+            __asm__("" : "+x"(x0), "+x"(x1)); /* loaded once for both weight rows */
+            for (int r = 0; r < 2; r++) {
+                int32_t w2;
+                memcpy(&w2, wq[r] + b * QB + 2 * j, 4);
+                const __m256i wb = _mm256_set1_epi32(w2);
+                s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(wb, x0));
+                if (H == 2) s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(wb, x1));
+                __asm__("" : "+x"(s[r][0]), "+x"(s[r][1])); /* each step's sums in registers (as gemm_i8k) */
+            }
+        }
+        const float *xs = in->xst + (g0 * nb + b) * 16, *xg = in->xgt + (g0 * nb + b) * 16;
+        for (int h = 0; h < H; h++) {
+            const __m256 xsv = _mm256_loadu_ps(xs + 8 * h), xgv = _mm256_loadu_ps(xg + 8 * h);
+            for (int r = 0; r < 2; r++) {
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), _mm256_mul_ps(_mm256_set1_ps(wsr[r][b]), xsv),
+                                            acc[r][h]);
+                if (wmr[r]) acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(wmr[r][b]), xgv, acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < 2; r++) c[r][0] = acc[r][0], c[r][1] = acc[r][1];
+}
+
+/* the pass for 16 input rows, and for 8 or fewer (the group's second half left out) */
+static __attribute__((noinline)) void i16b_pass16(const int16_t *const wq[2], const float *const wsr[2],
+                                                  const float *const wmr[2], const i16b_in_t *in, int64_t g0,
+                                                  int64_t K, int64_t b0, int64_t b1, __m256 c[2][2]) {
+    i16b_pass(wq, wsr, wmr, in, g0, K, b0, b1, c, 2);
+}
+
+static __attribute__((noinline)) void i16b_pass8(const int16_t *const wq[2], const float *const wsr[2],
+                                                 const float *const wmr[2], const i16b_in_t *in, int64_t g0,
+                                                 int64_t K, int64_t b0, int64_t b1, __m256 c[2][2]) {
+    i16b_pass(wq, wsr, wmr, in, g0, K, b0, b1, c, 1);
+}
+
+static void gemm_i16b(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                      const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out, int out_bf16,
+                      int64_t ldo, int64_t N) {
+    const int64_t nb = K / QB, mg = (M + 15) / 16, tasks = (N + 15) / 16, row_bytes = row_bytes_of(bits, K);
+    const int mins = wm != NULL && sc_some(wm);
+    i16b_in_t in = i16b_inputs(x, x_bf16, M, K);
+#pragma omp parallel
+    {
+        int16_t *wide = (int16_t *)aligned_alloc(64, (size_t)(16 * K) * sizeof(int16_t)); /* [16][K] */
+        float *wsf = (float *)calloc((size_t)(16 * nb), sizeof(float));
+        float *wmf = mins ? (float *)calloc((size_t)(16 * nb), sizeof(float)) : NULL;
+        __m256 c[16][2];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t n0 = 16 * t, nr = N - n0 < 16 ? N - n0 : 16;
+            for (int i = 0; i < 16; i++) {
+                if (i >= nr) { /* rows past N: zeros */
+                    memset(wide + i * K, 0, (size_t)K * sizeof(int16_t));
+                    continue;
+                }
+                row_scales(ws, n0 + i, nb, wsf + i * nb);
+                if (mins) row_scales(wm, n0 + i, nb, wmf + i * nb);
+                const uint8_t *wr = w + (n0 + i) * row_bytes;
+                for (int64_t b = 0; b < nb; b++) {
+                    __m256i lo, hi;
+                    if (bits == 4) { /* byte i: weight i in its low nibble, i + 16 in its high one */
+                        const __m128i raw = _mm_loadu_si128((const __m128i *)(wr + b * 16));
+                        lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
+                        hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
+                    } else {
+                        const __m256i q = block_bytes(wr + b * BLOCK_BYTES(bits), bits, 0);
+                        lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
+                        hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
+                    }
+                    _mm256_store_si256((__m256i *)(wide + i * K + b * QB), lo);
+                    _mm256_store_si256((__m256i *)(wide + i * K + b * QB + 16), hi);
+                }
+            }
+            for (int64_t g0 = 0; g0 < mg; g0++) {
+                for (int i = 0; i < 16; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+                for (int64_t b0 = 0; b0 < nb; b0 += 8) { /* 256 values of the 16 rows' x at a time: 16 KiB */
+                    const int64_t b1 = b0 + 8 < nb ? b0 + 8 : nb;
+                    for (int r0 = 0; r0 < 16; r0 += 2) {
+                        const int16_t *wq[2] = {wide + r0 * K, wide + (r0 + 1) * K};
+                        const float *wsr[2] = {wsf + r0 * nb, wsf + (r0 + 1) * nb};
+                        const float *wmr[2] = {mins ? wmf + r0 * nb : NULL, mins ? wmf + (r0 + 1) * nb : NULL};
+                        if (M - 16 * g0 > 8) i16b_pass16(wq, wsr, wmr, &in, g0, K, b0, b1, c + r0);
+                        else i16b_pass8(wq, wsr, wmr, &in, g0, K, b0, b1, c + r0);
+                    }
+                }
+                float v[16][16] __attribute__((aligned(32)));
+                for (int i = 0; i < 16; i++) _mm256_store_ps(v[i], c[i][0]), _mm256_store_ps(v[i] + 8, c[i][1]);
+                const int64_t m0 = 16 * g0;
+                put16((const float(*)[16])v, M - m0 < 16 ? M - m0 : 16, nr, m0, n0, bias, res, out, out_bf16, ldo);
+            }
+        }
+        free(wide);
+        free(wsf);
+        free(wmf);
+    }
+    free(in.bt);
+    free(in.xst);
+    free(in.xgt);
 }
 
 /* What the int8 tiles (AMX) and their vector counterparts (AVX-512 VNNI, AVX2) share: the input rows in the tile
@@ -2574,6 +2730,10 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
 #endif
     if (act == ACT_AUTO && M < PANEL_ROWS && gemm_i16_serves(bits, sgn, G, sfmt)) {
         gemm_i16(x, x_bf16, M, K, w, bits, scales, &mn, bias, res, out, out_bf16, ldo, N);
+        return;
+    }
+    if (act == ACT_AUTO && gemm_i16_serves(bits, sgn, G, sfmt)) { /* from PANEL_ROWS */
+        gemm_i16b(x, x_bf16, M, K, w, bits, scales, &mn, bias, res, out, out_bf16, ldo, N);
         return;
     }
 #endif
