@@ -1782,8 +1782,9 @@ static void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uin
 #if !defined(WQ_TILES)
 #define WQ_I8V 1
 /* Batches on AVX2 CPUs without AVX-512 VNNI: gemm_vnni's sums with 256-bit vpmaddubsw (unsigned x signed bytes into
- * int16 pairs) and vpmaddwd, 8 input rows a vector. Unsigned weights go in as they are; signed ones as |w|, their
- * signs moved onto x (vpsignb). Pairs are summed in int16 only where they cannot saturate: 4-bit and 5-bit weights
+ * int16 pairs) and vpmaddwd, 8 input rows a vector, 2 weight rows x 16 input rows a pass (x loaded once a step for
+ * both weight rows; 8 input rows where a group has no more). Unsigned weights go in as they are; signed ones as |w|,
+ * their signs moved onto x (vpsignb). Pairs are summed in int16 only where they cannot saturate: 4-bit and 5-bit weights
  * (|w| <= 16) over a whole block, 6-bit (|w| <= 32) over half of one, 8-bit a step at a time. Each block's integer
  * dot is exact, then scaled and added as gemm_vnni adds it (the same bits where the layout has no mins; those with
  * mins within the last bit, the compiler fusing their products otherwise). */
@@ -1795,23 +1796,92 @@ static int gemm_i8v_serves(int bits, int sgn, int64_t G, int sfmt, const void *m
     return (G == QB && !sgn && (bits == 4 || bits == 8)) || (G == 16 && sgn && (bits == 8 || bits == 6) && !mins);
 }
 
-/* the integer dot of 4 weight bytes a step (wr: one block's 32 bytes, signed where sgn) with 8 input rows' x
- * (xb: the block's B rows, 64 bytes apart, this half's 32), steps j0 .. j0 + 3 */
-static inline __attribute__((always_inline)) __m256i i8v_dot4(const int32_t *wr, const int8_t *xb, const int j0,
-                                                              const int sgn, const int per16) {
+/* weight rows wr[0..1] (a task's staged bytes, at the row's start; scales sr, mins mr) against the 8 H input rows
+ * of a group (bt: its B-layout blocks, xs / xg: their scales and sums per block), all nb blocks: acc[r][h]. Each step
+ * loads x once for both rows. i16: pairs summed in int16 over a whole block (2), a half (1) or a step (0) */
+static inline __attribute__((always_inline)) void i8v_pass(const int32_t *const wr[2], const float *const sr[2],
+                                                           const float *const mr[2], const int8_t *bt, const float *xs,
+                                                           const float *xg, int64_t nb, __m256 acc[2][2], const int H,
+                                                           const int sgn, const int i16, const int g16) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i s16 = _mm256_setzero_si256(), s32 = _mm256_setzero_si256();
-    for (int j = j0; j < j0 + 4; j++) {
-        const __m256i wb = _mm256_set1_epi32(wr[j]);
-        __m256i xv = _mm256_load_si256((const __m256i *)(xb + 64 * j));
-        __m256i p;
-        if (sgn) p = _mm256_maddubs_epi16(_mm256_abs_epi8(wb), _mm256_sign_epi8(xv, wb));
-        else p = _mm256_maddubs_epi16(wb, xv);
-        if (per16) s16 = _mm256_add_epi16(s16, p);
-        else s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(p, ones));
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *xb = bt + b * 512;
+        __m256i d[2][2][2]; /* [half block][weight row][input half] int32 sums */
+#pragma GCC unroll 2
+        for (int q = 0; q < 2; q++)
+#pragma GCC unroll 2
+            for (int r = 0; r < 2; r++) d[q][r][0] = d[q][r][1] = _mm256_setzero_si256();
+        __m256i s16[2][2];
+#pragma GCC unroll 2
+        for (int q = 0; q < 2; q++) {
+            if (q == 0 || i16 != 2) /* whole blocks: the pairs go on in int16 over both halves */
+#pragma GCC unroll 2
+                for (int r = 0; r < 2; r++) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int j = 4 * q; j < 4 * q + 4; j++) {
+                __m256i x0 = _mm256_load_si256((const __m256i *)(xb + 64 * j));
+                __m256i x1 = H == 2 ? _mm256_load_si256((const __m256i *)(xb + 64 * j + 32)) : x0;
+                __asm__("" : "+x"(x0), "+x"(x1)); /* loaded once for both weight rows */
+#pragma GCC unroll 2
+                for (int r = 0; r < 2; r++) {
+                    const __m256i wb = _mm256_set1_epi32(wr[r][b * 8 + j]);
+                    __m256i p0, p1;
+                    if (sgn) {
+                        const __m256i wa = _mm256_abs_epi8(wb);
+                        p0 = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x0, wb));
+                        p1 = H == 2 ? _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x1, wb)) : p0;
+                    } else {
+                        p0 = _mm256_maddubs_epi16(wb, x0);
+                        p1 = H == 2 ? _mm256_maddubs_epi16(wb, x1) : p0;
+                    }
+                    if (i16) {
+                        s16[r][0] = _mm256_add_epi16(s16[r][0], p0);
+                        if (H == 2) s16[r][1] = _mm256_add_epi16(s16[r][1], p1);
+                    } else {
+                        d[q][r][0] = _mm256_add_epi32(d[q][r][0], _mm256_madd_epi16(p0, ones));
+                        if (H == 2) d[q][r][1] = _mm256_add_epi32(d[q][r][1], _mm256_madd_epi16(p1, ones));
+                    }
+                    __asm__("" : "+x"(s16[r][0]), "+x"(s16[r][1]), "+x"(d[q][r][0]), "+x"(d[q][r][1]));
+                }
+            }
+            if (i16 == 1 || (i16 == 2 && q == 1))
+#pragma GCC unroll 2
+                for (int r = 0; r < 2; r++)
+#pragma GCC unroll 2
+                    for (int h = 0; h < H; h++) d[q][r][h] = _mm256_madd_epi16(s16[r][h], ones);
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < H; h++) {
+            const __m256 xsv = _mm256_loadu_ps(xs + b * 16 + 8 * h);
+#pragma GCC unroll 2
+            for (int r = 0; r < 2; r++) {
+                if (g16) {
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[0][r][h]),
+                                                _mm256_mul_ps(_mm256_set1_ps(sr[r][2 * b]), xsv), acc[r][h]);
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[1][r][h]),
+                                                _mm256_mul_ps(_mm256_set1_ps(sr[r][2 * b + 1]), xsv), acc[r][h]);
+                } else {
+                    if (mr[0]) /* the mins first, as gemm_vnni adds them */
+                        acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(mr[r][b]), _mm256_loadu_ps(xg + b * 16 + 8 * h),
+                                                    acc[r][h]);
+                    const __m256i dd = _mm256_add_epi32(d[0][r][h], d[1][r][h]);
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dd), _mm256_mul_ps(_mm256_set1_ps(sr[r][b]), xsv),
+                                                acc[r][h]);
+                }
+            }
+        }
     }
-    return per16 ? _mm256_madd_epi16(s16, ones) : s32;
 }
+
+#define I8V_FN(NAME, H, SGN, I16)                                                                                \
+    static __attribute__((noinline)) void NAME(const int32_t *const wr[2], const float *const sr[2],             \
+                                               const float *const mr[2], const int8_t *bt, const float *xs,      \
+                                               const float *xg, int64_t nb, __m256 acc[2][2]) {                  \
+        i8v_pass(wr, sr, mr, bt, xs, xg, nb, acc, H, SGN, I16, 0);                                               \
+    }
+I8V_FN(i8v_q8_16, 2, 1, 0) I8V_FN(i8v_q8_8, 1, 1, 0) I8V_FN(i8v_s4_16, 2, 1, 2) I8V_FN(i8v_s4_8, 1, 1, 2)
 
 static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
@@ -1833,53 +1903,23 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
             stage_rows(w, bits, sgn, row_bytes, K, table, ws, wm, ng, n0, 0, wide, wsf, wmf);
             for (int64_t g0 = 0; g0 < mg; g0++) {
                 const int64_t m0 = 16 * g0, rows = M - m0 < 16 ? M - m0 : 16;
-                for (int h = 0; h < (rows > 8 ? 2 : 1); h++)
-                    for (int r0 = 0; r0 < 16; r0 += 4) {
-                        __m256 acc[4];
-                        for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
-                        for (int64_t b = 0; b < nb; b++) {
-                            const int8_t *xb = in.bt + (g0 * nb + b) * 512 + 32 * h;
-                            const __m256 xsv = _mm256_loadu_ps(in.xst + (g0 * nb + b) * 16 + 8 * h);
-                            if (wm) {
-                                const __m256 xgv = _mm256_loadu_ps(in.xgt + (g0 * nb + b) * 16 + 8 * h);
-                                for (int r = 0; r < 4; r++)
-                                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wmf[(r0 + r) * ng + b]), xgv, acc[r]);
-                            }
-#pragma GCC unroll 4
-                            for (int r = 0; r < 4; r++) {
-                                const int32_t *wr = (const int32_t *)(wide + (r0 + r) * K + b * QB);
-                                if (g16) {
-                                    const float *sr = wsf + (r0 + r) * ng + 2 * b;
-                                    const __m256i d = i8v_dot4(wr, xb, 0, sgn, half16);
-                                    const __m256i e = i8v_dot4(wr, xb, 4, sgn, half16);
-                                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
-                                                             _mm256_mul_ps(_mm256_set1_ps(sr[0]), xsv), acc[r]);
-                                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e),
-                                                             _mm256_mul_ps(_mm256_set1_ps(sr[1]), xsv), acc[r]);
-                                } else {
-                                    __m256i d;
-                                    if (whole16) { /* all 8 steps' pairs in int16, then one widening */
-                                        const __m256i ones = _mm256_set1_epi16(1);
-                                        __m256i s16 = _mm256_setzero_si256();
-                                        for (int j = 0; j < 8; j++) {
-                                            const __m256i wb = _mm256_set1_epi32(wr[j]);
-                                            const __m256i xv = _mm256_load_si256((const __m256i *)(xb + 64 * j));
-                                            s16 = _mm256_add_epi16(
-                                                s16, sgn ? _mm256_maddubs_epi16(_mm256_abs_epi8(wb),
-                                                                                _mm256_sign_epi8(xv, wb))
-                                                         : _mm256_maddubs_epi16(wb, xv));
-                                        }
-                                        d = _mm256_madd_epi16(s16, ones);
-                                    } else
-                                        d = _mm256_add_epi32(i8v_dot4(wr, xb, 0, sgn, 0), i8v_dot4(wr, xb, 4, sgn, 0));
-                                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
-                                                             _mm256_mul_ps(_mm256_set1_ps(wsf[(r0 + r) * ng + b]), xsv),
-                                                             acc[r]);
-                                }
-                            }
-                        }
-                        for (int r = 0; r < 4; r++) _mm256_storeu_ps(c[r0 + r] + 8 * h, acc[r]);
-                    }
+                for (int r0 = 0; r0 < 16; r0 += 2) {
+                    const int32_t *wr[2] = {(const int32_t *)(wide + r0 * K), (const int32_t *)(wide + (r0 + 1) * K)};
+                    const float *sr[2] = {wsf + r0 * ng, wsf + (r0 + 1) * ng};
+                    const float *mr[2] = {wmf ? wmf + r0 * ng : NULL, wmf ? wmf + (r0 + 1) * ng : NULL};
+                    const int8_t *bt = in.bt + g0 * nb * 512;
+                    const float *xs = in.xst + g0 * nb * 16, *xg = in.xgt ? in.xgt + g0 * nb * 16 : NULL;
+                    __m256 acc[2][2];
+                    if (rows > 8 && sgn && bits == 8 && !g16 && !wm) i8v_q8_16(wr, sr, mr, bt, xs, xg, nb, acc);
+                    else if (rows > 8 && sgn && whole16 && !g16 && !wm) i8v_s4_16(wr, sr, mr, bt, xs, xg, nb, acc);
+                    else if (sgn && bits == 8 && !g16 && !wm) i8v_q8_8(wr, sr, mr, bt, xs, xg, nb, acc);
+                    else if (sgn && whole16 && !g16 && !wm) i8v_s4_8(wr, sr, mr, bt, xs, xg, nb, acc);
+                    else
+                        i8v_pass(wr, sr, mr, bt, xs, xg, nb, acc, rows > 8 ? 2 : 1, sgn,
+                                 whole16 ? 2 : half16 ? 1 : 0, g16);
+                    for (int r = 0; r < 2; r++)
+                        for (int h = 0; h < (rows > 8 ? 2 : 1); h++) _mm256_storeu_ps(c[r0 + r] + 8 * h, acc[r][h]);
+                }
                 put16((const float(*)[16])c, rows, 16, m0, n0, bias, res, out, out_bf16, ldo);
             }
         }
