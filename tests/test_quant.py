@@ -114,7 +114,7 @@ INT8_ROWS_K, INT8_ROWS_Q8 = (native.int8_rows_k() if native else 32), 12
 # it has none, their vector counterparts (gemm_vnni with AVX-512 VNNI, gemm_i8v with AVX2) from the row paths' limits
 AMX_ROWS_K, AMX_ROWS_Q8 = 16, 3
 TILE_ROWS = {"amx": (AMX_ROWS_K, AMX_ROWS_Q8), "vectors": (INT8_ROWS_K, INT8_ROWS_Q8)}
-# the vectors round a K-quant batch's activations per 256 with AVX2 (as its row path does), per 32 with AVX-512 VNNI
+# the vectors round a K-quant batch's activations per 256, as the row path does (gemm_i8k, AVX2 or AVX-512)
 VECTORS_BLOCK_K = native.int8_vectors_block_k() if native else 0
 
 
@@ -268,8 +268,8 @@ def test_int8_tiles_give_each_row_the_integer_sums(kind, tiles):
     """Where the CPU has AMX, auto multiplies 8-bit blocks from 3 rows, and Q4_K, Q5_K and Q6_K from 16, by tiles;
     elsewhere (or with AMX off), by vectors (AVX-512 VNNI or AVX2) from 12 rows and INT8_ROWS_K (28 or 32): 33 rows
     (two tile groups and a part) against 100 weight rows (three 32-row tasks and 4 rows past them) give each row, bias
-    included, the products of its int8 activations (per 32) with the weights as the int8 mode sums them (AVX2's
-    vectors, the K-quants: per 256, as each row alone sums them), within float32 rounding; each row the same bits in
+    included, the products of its int8 activations (per 32) with the weights as the int8 mode sums them (the
+    vectors' K-quants: per 256, as each row alone sums them), within float32 rounding; each row the same bits in
     the fewest rows the tiles take; with AMX, for 8-bit blocks, the very bits the row alone gets (its own kernel sums
     and scales each block as the tiles do: a speculative verification step's rows give what one-row decoding gives);
     bf16 out with a residual is those sums rounded as torch rounds them."""
@@ -296,7 +296,7 @@ def _check_tile_sums(kind: str, tiles: str) -> None:
     y = torch.empty(rows, n)
     native.qgemm(x, w, y, bias=bias, act=AUTO)
     products = torch.empty(rows, n)
-    if _int8_block(w, AUTO, rows, tiles) == 256:  # AVX2's vectors round x per 256, as a row alone does (gemm_k)
+    if _int8_block(w, AUTO, rows, tiles) == 256:  # the vectors round x per 256, as a row alone does (gemm_k)
         for r in range(rows):
             native.qgemm(x[r : r + 1].contiguous(), w, products[r : r + 1], bias=bias, act=AUTO)
     else:  # act=int8: every layout's int8 products per 32, without tiles

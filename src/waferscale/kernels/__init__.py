@@ -822,8 +822,8 @@ class NativeKernels:
         return self.lib.qgemm_int8_rows_k()
 
     def int8_vectors_block_k(self) -> int:
-        """How many values share an int8 scale when the int8 vector kernels take a K-quant batch: 256 with AVX2 (as
-        the row path, llama.cpp's Q8_K), 32 with AVX-512 VNNI (as the AMX tiles), 0 where the build has neither."""
+        """How many values share an int8 scale when the int8 vector kernels take a K-quant batch: 256 (as the row
+        path, llama.cpp's Q8_K), 0 where the build has no vector batches."""
         return self.lib.qgemm_int8_vectors_block_k()
 
     def bf16_tiles(self) -> bool:

@@ -1117,11 +1117,12 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
  * Where the batches go to int8 vectors instead: gemm_i8k (AVX2) takes the K-quants from 32 rows (set against
  * gemm_i8v, which took them before it, as built for AVX2 on a 2-core Zen 5 EPYC, 1B shapes, Q4_K and Q6_K: gemm_k's
  * time over gemm_i8v's 0.67-0.80x at 16-20 rows, 0.79-0.97x at 24, 0.82-0.98x at 32; gemm_i8k's over gemm_k's
- * 0.81-1.05x at 16 rows, 0.88-1.10x at 24, so no gain in moving the limit down); gemm_vnni (AVX-512 VNNI) costs as
- * much for 17-32 rows as for 32 (16 input rows a vector), and gemm_k is faster up to 28 (2-core Zen 5 EPYC, 1B
- * shapes, gemm_k's time over gemm_vnni's: Q4_K 0.67-0.90x at 16 rows, 0.52-0.72x at 20, 0.75-0.79x at 24,
- * 0.89-0.98x at 28, 0.96-1.09x at 32; Q6_K 0.80-0.93x, 0.65-0.77x, 0.86-0.92x, 0.98-1.03x, 0.95-1.08x). So a few
- * streams' speculative verification steps keep one-row decoding's numbers too. */
+ * 0.81-1.05x at 16 rows, 0.88-1.10x at 24, so no gain in moving the limit down). With AVX-512 VNNI gemm_i8k's 512-bit
+ * passes take them from 28 (its time over gemm_k's 0.71-1.29x at 16-24 rows, parity), set when gemm_vnni took them: it
+ * costs as much for 17-32 rows as for 32 (16 input rows a vector), and gemm_k is faster up to 28 (2-core Zen 5 EPYC, 1B
+ * shapes, gemm_k's time over gemm_vnni's: Q4_K 0.67-0.90x at 16 rows, 0.52-0.72x at 20, 0.75-0.79x at 24, 0.89-0.98x at
+ * 28, 0.96-1.09x at 32; Q6_K 0.80-0.93x, 0.65-0.77x, 0.86-0.92x, 0.98-1.03x, 0.95-1.08x). So a few streams' speculative
+ * verification steps keep one-row decoding's numbers too. */
 #ifdef WQ_TILES
 #define INT8_ROWS_K 28
 #else
@@ -1779,6 +1780,122 @@ static void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uin
 
 #endif
 
+#ifdef WQ_AVX2
+typedef struct {
+    int8_t *bt;   /* [mg][K / 4][16][4]: input rows 16 m0 .. 16 m0 + 15, 4 bytes a step (rows past M 0) */
+    float *xdt;   /* [mg][K / 256][16] their scales */
+    int16_t *xst; /* [mg][K / 64][16][2] their sums per 32, two groups a pair (for layouts with mins) */
+} i8k_in_t;
+
+static i8k_in_t i8k_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int sums) {
+    const int64_t mg = (M + 15) / 16, nsb = K / KS, nb = K / QB;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xd = (float *)malloc((size_t)(M * nsb) * sizeof(float));
+    int32_t *xb = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
+    quantize_rows_k(x, x_bf16, M, K, 0, xq, xd, xb);
+    i8k_in_t in;
+    in.bt = (int8_t *)aligned_alloc(64, (size_t)(mg * K * 16));
+    memset(in.bt, 0, (size_t)(mg * K * 16));
+    in.xdt = (float *)calloc((size_t)(mg * nsb * 16), sizeof(float));
+    in.xst = sums ? (int16_t *)calloc((size_t)(mg * nb * 16), sizeof(int16_t)) : NULL;
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *tile = in.bt + (m / 16) * K * 16 + (m % 16) * 4;
+        for (int64_t k = 0; k < K; k += 4) memcpy(tile + k * 16, xq + m * K + k, 4);
+        for (int64_t s = 0; s < nsb; s++) in.xdt[((m / 16) * nsb + s) * 16 + m % 16] = xd[m * nsb + s];
+        if (sums) /* |sum| <= 32 * 127: an int16 */
+            for (int64_t b = 0; b < nb; b++)
+                in.xst[(((m / 16) * (nb / 2) + b / 2) * 16 + m % 16) * 2 + b % 2] = (int16_t)xb[m * nb + b];
+    }
+    free(xq);
+    free(xd);
+    free(xb);
+    return in;
+}
+
+#endif
+
+#ifdef WQ_TILES
+/* gemm_i8k on 512-bit vectors (AVX-512BW), for CPUs with AVX-512 VNNI and no AMX: the two-level layouts' batches with
+ * x rounded per 256 as gemm_k rounds it, all 16 input rows of a group in one vector (one x load a step), 4 weight rows
+ * a pass; vpmaddubsw and vpaddw over a group, vpmaddwd with its integer scale (vpdpbusd's int32 sums would need a
+ * vpmulld by the scale instead). Signed weights (Q6_K) as |w| with x negated where w < 0 (no vpsignb in AVX-512). */
+static inline __attribute__((always_inline)) void i8k512_pass(const uint8_t *const *wr, const int8_t *xt,
+                                                              const int16_t *const *sc, const int32_t *const *mp,
+                                                              const float *dr, const float *mr, const float *xd,
+                                                              const int16_t *xs, __m512 *c, const int sgn,
+                                                              const int g16, const int depth) {
+    const int per = g16 ? 16 : 8, js = g16 ? 4 : 8;
+    __m512i i32[4];
+    for (int r = 0; r < 4; r++) i32[r] = _mm512_setzero_si512();
+    for (int g = 0; g < per; g++) {
+        for (int j0 = 0; j0 < js; j0 += depth) {
+            __m512i p[4];
+            for (int r = 0; r < 4; r++) p[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int j = j0; j < j0 + depth; j++) {
+                const int k = g * js * 4 + 4 * j;
+                __m512i x0 = _mm512_load_si512((const void *)(xt + 16 * k));
+                __asm__("" : "+v"(x0));
+                for (int r = 0; r < 4; r++) {
+                    int32_t w4;
+                    memcpy(&w4, wr[r] + k, 4);
+                    const __m512i wb = _mm512_set1_epi32(w4);
+                    if (sgn) {
+                        const __m512i xn =
+                            _mm512_mask_sub_epi8(x0, _mm512_movepi8_mask(wb), _mm512_setzero_si512(), x0);
+                        p[r] = _mm512_add_epi16(p[r], _mm512_maddubs_epi16(_mm512_abs_epi8(wb), xn));
+                    } else
+                        p[r] = _mm512_add_epi16(p[r], _mm512_maddubs_epi16(wb, x0));
+                    __asm__("" : "+v"(p[r]));
+                }
+            }
+            for (int r = 0; r < 4; r++)
+                i32[r] = _mm512_add_epi32(i32[r], _mm512_madd_epi16(p[r], _mm512_set1_epi16(sc[r][g])));
+        }
+    }
+    const __m512 dx = _mm512_loadu_ps(xd);
+    for (int r = 0; r < 4; r++) {
+        c[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32[r]), _mm512_mul_ps(_mm512_set1_ps(dr[r]), dx), c[r]);
+        if (mp) {
+            __m512i im = _mm512_setzero_si512();
+            for (int q = 0; q < per / 2; q++)
+                im = _mm512_add_epi32(im, _mm512_madd_epi16(_mm512_loadu_si512((const void *)(xs + 32 * q)),
+                                                            _mm512_set1_epi32(mp[r][q])));
+            c[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(_mm512_set1_ps(mr[r]), dx), c[r]);
+        }
+    }
+}
+
+#define I8K512_FN(NAME, SGN, G16, DEPTH, MINS)                                                                   \
+    static __attribute__((noinline)) void NAME(const uint8_t *wide, const int16_t *sci, const int32_t *mpi,      \
+                                               const float *dsup, const float *msup, const i8k_in_t *in,         \
+                                               int64_t g0, int64_t K, __m512 c[16]) {                            \
+        const int64_t nsb = K / KS, ng = K / (G16 ? 16 : 32), per = ng / nsb;                                    \
+        for (int64_t s = 0; s < nsb; s++) {                                                                      \
+            const int8_t *xt = in->bt + g0 * K * 16 + s * KS * 16;                                               \
+            const float *xd = in->xdt + (g0 * nsb + s) * 16;                                                     \
+            const int16_t *xs = MINS ? in->xst + (g0 * (K / 64) + s * 4) * 32 : NULL;                             \
+            for (int r0 = 0; r0 < 16; r0 += 4) {                                                                 \
+                const uint8_t *wr[4];                                                                            \
+                const int16_t *sc[4];                                                                            \
+                const int32_t *mp[4];                                                                            \
+                float dr[4], mr[4];                                                                              \
+                for (int r = 0; r < 4; r++) {                                                                    \
+                    wr[r] = wide + (r0 + r) * K + s * KS;                                                        \
+                    sc[r] = sci + (r0 + r) * ng + s * per;                                                       \
+                    mp[r] = MINS ? mpi + (r0 + r) * (ng / 2) + s * (per / 2) : NULL;                             \
+                    dr[r] = dsup[(r0 + r) * nsb + s];                                                            \
+                    mr[r] = MINS ? msup[(r0 + r) * nsb + s] : 0.f;                                               \
+                }                                                                                                \
+                i8k512_pass(wr, xt, sc, MINS ? mp : NULL, dr, mr, xd, xs, c + r0, SGN, G16, DEPTH);              \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+I8K512_FN(i8k512_q4, 0, 0, 8, 1)
+I8K512_FN(i8k512_q5, 0, 0, 4, 1)
+I8K512_FN(i8k512_q6, 1, 1, 4, 0)
+#endif
+
 #if !defined(WQ_TILES)
 #define WQ_I8V 1
 /* Batches on AVX2 CPUs without AVX-512 VNNI: gemm_vnni's sums with 256-bit vpmaddubsw (unsigned x signed bytes into
@@ -1933,43 +2050,13 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     amx_inputs_free(&in);
 }
 
-/* Batches of the two-level layouts (Q4_K, Q5_K, Q6_K) on AVX2 without VNNI: x rounded to int8 per 256 as gemm_k
- * rounds it (llama.cpp's Q8_K), so that each super-block sums in 32-bit integers with the groups' integer scales
- * (vpmaddwd of a group's int16 pair sums with its scale, where gemm_i8v converts and scales every 32-block), and 2
- * weight rows x 16 input rows a pass: per 4-byte step, 2 loads of x and 2 weight broadcasts feed 4 vpmaddubsw (gemm_i8v
- * loads twice for each). The mins meet x's integer sums per group (vpmaddwd of pairs of groups). Overflow is ruled out
- * as in gemm_k: pairs summed in int16 over 8 steps for 4-bit weights (|w| <= 15), 4 for Q5_K's and Q6_K's. */
-typedef struct {
-    int8_t *bt;   /* [mg][K / 4][16][4]: input rows 16 m0 .. 16 m0 + 15, 4 bytes a step (rows past M 0) */
-    float *xdt;   /* [mg][K / 256][16] their scales */
-    int16_t *xst; /* [mg][K / 64][16][2] their sums per 32, two groups a pair (for layouts with mins) */
-} i8k_in_t;
-
-static i8k_in_t i8k_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int sums) {
-    const int64_t mg = (M + 15) / 16, nsb = K / KS, nb = K / QB;
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-    float *xd = (float *)malloc((size_t)(M * nsb) * sizeof(float));
-    int32_t *xb = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
-    quantize_rows_k(x, x_bf16, M, K, 0, xq, xd, xb);
-    i8k_in_t in;
-    in.bt = (int8_t *)aligned_alloc(64, (size_t)(mg * K * 16));
-    memset(in.bt, 0, (size_t)(mg * K * 16));
-    in.xdt = (float *)calloc((size_t)(mg * nsb * 16), sizeof(float));
-    in.xst = sums ? (int16_t *)calloc((size_t)(mg * nb * 16), sizeof(int16_t)) : NULL;
-    for (int64_t m = 0; m < M; m++) {
-        int8_t *tile = in.bt + (m / 16) * K * 16 + (m % 16) * 4;
-        for (int64_t k = 0; k < K; k += 4) memcpy(tile + k * 16, xq + m * K + k, 4);
-        for (int64_t s = 0; s < nsb; s++) in.xdt[((m / 16) * nsb + s) * 16 + m % 16] = xd[m * nsb + s];
-        if (sums) /* |sum| <= 32 * 127: an int16 */
-            for (int64_t b = 0; b < nb; b++)
-                in.xst[(((m / 16) * (nb / 2) + b / 2) * 16 + m % 16) * 2 + b % 2] = (int16_t)xb[m * nb + b];
-    }
-    free(xq);
-    free(xd);
-    free(xb);
-    return in;
-}
-
+/* gemm_i8k: batches of the two-level layouts (Q4_K, Q5_K, Q6_K), K a multiple of 256, past gemm_k's rows. x is
+ * rounded to int8 per 256 as gemm_k rounds it (llama.cpp's Q8_K), so that each super-block sums in 32-bit integers
+ * with the groups' integer scales (vpmaddwd of a group's int16 pair sums with its scale; gemm_i8v converts and scales
+ * every 32-block) and is scaled once. AVX2 (these passes): 2 weight rows x 16 input rows a pass, per 4-byte step 2
+ * loads of x and 2 weight broadcasts feeding 4 vpmaddubsw; with AVX-512 VNNI, i8k512_pass above. The mins meet x's
+ * integer sums per group (vpmaddwd of pairs of groups). Overflow is ruled out as in gemm_k: pairs summed in int16 over
+ * 8 steps for 4-bit weights (|w| <= 15), 4 for Q5_K's and Q6_K's. */
 /* one super-block of weight rows wr[0 .. R - 1] (bytes, at the super-block) against 16 input rows (xt: the
  * super-block's steps, 64 bytes each): c[r][h] += their sums; sc: each row's group scales as int16 (from the
  * super-block's first), mp: the mins' pairs as int16 pairs (or NULL), dr / mr: each row's super-scales, xd: the 16
@@ -2062,6 +2149,9 @@ I8K_FN(i8k_q4, 0, 0, 8, 1)
 I8K_FN(i8k_q5, 0, 0, 4, 1)
 I8K_FN(i8k_q6, 1, 1, 4, 0)
 
+#endif
+
+#ifdef WQ_AVX2
 static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
                      const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
@@ -2076,7 +2166,11 @@ static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint
         int32_t *mpi = mins ? (int32_t *)malloc((size_t)(16 * ng / 2) * sizeof(int32_t)) : NULL;
         float *dsup = (float *)malloc((size_t)(16 * nsb) * sizeof(float));
         float *msup = mins ? (float *)malloc((size_t)(16 * nsb) * sizeof(float)) : NULL;
+#ifdef WQ_TILES
+        __m512 c[16];
+#else
         __m256 c[16][2];
+#endif
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 16 * t, nr = N - n0 < 16 ? N - n0 : 16;
@@ -2115,12 +2209,20 @@ static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                 }
             }
             for (int64_t g0 = 0; g0 < mg; g0++) {
+                float v[16][16] __attribute__((aligned(64)));
+#ifdef WQ_TILES
+                for (int i = 0; i < 16; i++) c[i] = _mm512_setzero_ps();
+                if (bits == 4) i8k512_q4(wide, sci, mpi, dsup, msup, &in, g0, K, c);
+                else if (sgn) i8k512_q6(wide, sci, NULL, dsup, NULL, &in, g0, K, c);
+                else i8k512_q5(wide, sci, mpi, dsup, msup, &in, g0, K, c);
+                for (int i = 0; i < 16; i++) _mm512_store_ps(v[i], c[i]);
+#else
                 for (int i = 0; i < 16; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
                 if (bits == 4) i8k_q4(wide, sci, mpi, dsup, msup, &in, g0, K, c);
                 else if (sgn) i8k_q6(wide, sci, NULL, dsup, NULL, &in, g0, K, c);
                 else i8k_q5(wide, sci, mpi, dsup, msup, &in, g0, K, c);
-                float v[16][16] __attribute__((aligned(32)));
                 for (int i = 0; i < 16; i++) _mm256_store_ps(v[i], c[i][0]), _mm256_store_ps(v[i] + 8, c[i][1]);
+#endif
                 const int64_t m0 = 16 * g0;
                 put16((const float(*)[16])v, M - m0 < 16 ? M - m0 : 16, nr, m0, n0, bias, res, out, out_bf16, ldo);
             }
@@ -2672,12 +2774,10 @@ int qgemm_int8_rows_k(void) {
 #endif
 }
 
-/* the values over which the int8 vector batches round the two-level layouts' activations: 256 with AVX2 (gemm_i8k,
- * as gemm_k rounds them), 32 with AVX-512 VNNI (gemm_vnni, as the tiles), 0 where the build has neither */
+/* the values over which the int8 vector batches round the two-level layouts' activations: 256 (gemm_i8k, as gemm_k
+ * rounds them, with AVX2 or AVX-512), 0 where the build has no vector batches */
 int qgemm_int8_vectors_block_k(void) {
-#if defined(WQ_TILES)
-    return QB;
-#elif defined(WQ_I8V)
+#if defined(WQ_TILES) || defined(WQ_I8V)
     return KS;
 #else
     return 0;
@@ -2747,6 +2847,10 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         return;
     }
 #ifdef WQ_TILES
+    if (act == ACT_AUTO && vnni_state && gemm_k_serves(bits, sgn, G, sfmt, K)) { /* past gemm_k's rows */
+        gemm_i8k(x, x_bf16, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N);
+        return;
+    }
     if (act == ACT_AUTO && vnni_state && gemm_vnni_serves(bits, sgn, G, sfmt, mins_v)) { /* past the row paths */
         gemm_vnni(x, x_bf16, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N, NULL);
         return;
