@@ -1785,9 +1785,10 @@ typedef struct {
     int8_t *bt;   /* [mg][K / 4][16][4]: input rows 16 m0 .. 16 m0 + 15, 4 bytes a step (rows past M 0) */
     float *xdt;   /* [mg][K / 256][16] their scales */
     int16_t *xst; /* [mg][K / 64][16][2] their sums per 32, two groups a pair (for layouts with mins) */
+    int16_t *xs16; /* [mg][K / 32][16][2] their sums per 16, a 32-block's halves a pair (Q6_K staged q + 32) */
 } i8k_in_t;
 
-static i8k_in_t i8k_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int sums) {
+static i8k_in_t i8k_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int sums, int sums16) {
     const int64_t mg = (M + 15) / 16, nsb = K / KS, nb = K / QB;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xd = (float *)malloc((size_t)(M * nsb) * sizeof(float));
@@ -1798,6 +1799,7 @@ static i8k_in_t i8k_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int 
     memset(in.bt, 0, (size_t)(mg * K * 16));
     in.xdt = (float *)calloc((size_t)(mg * nsb * 16), sizeof(float));
     in.xst = sums ? (int16_t *)calloc((size_t)(mg * nb * 16), sizeof(int16_t)) : NULL;
+    in.xs16 = sums16 ? (int16_t *)calloc((size_t)(mg * nb * 32), sizeof(int16_t)) : NULL;
     for (int64_t m = 0; m < M; m++) {
         int8_t *tile = in.bt + (m / 16) * K * 16 + (m % 16) * 4;
         for (int64_t k = 0; k < K; k += 4) memcpy(tile + k * 16, xq + m * K + k, 4);
@@ -1805,6 +1807,13 @@ static i8k_in_t i8k_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int 
         if (sums) /* |sum| <= 32 * 127: an int16 */
             for (int64_t b = 0; b < nb; b++)
                 in.xst[(((m / 16) * (nb / 2) + b / 2) * 16 + m % 16) * 2 + b % 2] = (int16_t)xb[m * nb + b];
+        if (sums16) /* |sum| <= 16 * 127 */
+            for (int64_t b = 0; b < nb; b++)
+                for (int hf = 0; hf < 2; hf++) {
+                    int32_t t = 0;
+                    for (int i = 0; i < 16; i++) t += xq[m * K + b * QB + 16 * hf + i];
+                    in.xs16[(((m / 16) * nb + b) * 16 + m % 16) * 2 + hf] = (int16_t)t;
+                }
     }
     free(xq);
     free(xd);
@@ -1818,12 +1827,14 @@ static i8k_in_t i8k_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int 
 /* gemm_i8k on 512-bit vectors (AVX-512BW), for CPUs with AVX-512 VNNI and no AMX: the two-level layouts' batches with
  * x rounded per 256 as gemm_k rounds it, all 16 input rows of a group in one vector (one x load a step), 4 weight rows
  * a pass; vpmaddubsw and vpaddw over a group, vpmaddwd with its integer scale (vpdpbusd's int32 sums would need a
- * vpmulld by the scale instead). Signed weights (Q6_K) as |w| with x negated where w < 0 (no vpsignb in AVX-512). */
+ * vpmulld by the scale instead). Q6_K's signed q staged unsigned, q + 32 (AVX-512 has no vpsignb to move signs onto
+ * x; the |w| and masked negation that stand in for it took 1.3-1.6x the time), pairs summed in int16 over 2 steps
+ * (<= 2 x 2 x 63 x 127), and 32 x each group's scale times x's sum over it taken off per super-block. */
 static inline __attribute__((always_inline)) void i8k512_pass(const uint8_t *const *wr, const int8_t *xt,
                                                               const int16_t *const *sc, const int32_t *const *mp,
                                                               const float *dr, const float *mr, const float *xd,
-                                                              const int16_t *xs, __m512 *c, const int sgn,
-                                                              const int g16, const int depth) {
+                                                              const int16_t *xs, const int16_t *xs16, __m512 *c,
+                                                              const int sgn, const int g16, const int depth) {
     const int per = g16 ? 16 : 8, js = g16 ? 4 : 8;
     __m512i i32[4];
     for (int r = 0; r < 4; r++) i32[r] = _mm512_setzero_si512();
@@ -1853,6 +1864,17 @@ static inline __attribute__((always_inline)) void i8k512_pass(const uint8_t *con
                 i32[r] = _mm512_add_epi32(i32[r], _mm512_madd_epi16(p[r], _mm512_set1_epi16(sc[r][g])));
         }
     }
+    if (xs16) /* q staged + 32 (Q6_K): 32 x the scales' products with x's sums per 16 off */
+        for (int r = 0; r < 4; r++) {
+            __m512i t = _mm512_setzero_si512();
+            for (int q = 0; q < per / 2; q++) {
+                int32_t pair;
+                memcpy(&pair, sc[r] + 2 * q, 4);
+                t = _mm512_add_epi32(t, _mm512_madd_epi16(_mm512_loadu_si512((const void *)(xs16 + 32 * q)),
+                                                          _mm512_set1_epi32(pair)));
+            }
+            i32[r] = _mm512_sub_epi32(i32[r], _mm512_slli_epi32(t, 5));
+        }
     const __m512 dx = _mm512_loadu_ps(xd);
     for (int r = 0; r < 4; r++) {
         c[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32[r]), _mm512_mul_ps(_mm512_set1_ps(dr[r]), dx), c[r]);
@@ -1866,7 +1888,7 @@ static inline __attribute__((always_inline)) void i8k512_pass(const uint8_t *con
     }
 }
 
-#define I8K512_FN(NAME, SGN, G16, DEPTH, MINS)                                                                   \
+#define I8K512_FN(NAME, SGN, G16, DEPTH, MINS, C32)                                                              \
     static __attribute__((noinline)) void NAME(const uint8_t *wide, const int16_t *sci, const int32_t *mpi,      \
                                                const float *dsup, const float *msup, const i8k_in_t *in,         \
                                                int64_t g0, int64_t K, __m512 c[16]) {                            \
@@ -1875,6 +1897,7 @@ static inline __attribute__((always_inline)) void i8k512_pass(const uint8_t *con
             const int8_t *xt = in->bt + g0 * K * 16 + s * KS * 16;                                               \
             const float *xd = in->xdt + (g0 * nsb + s) * 16;                                                     \
             const int16_t *xs = MINS ? in->xst + (g0 * (K / 64) + s * 4) * 32 : NULL;                             \
+            const int16_t *x16 = C32 ? in->xs16 + (g0 * (K / 32) + s * 8) * 32 : NULL;                            \
             for (int r0 = 0; r0 < 16; r0 += 4) {                                                                 \
                 const uint8_t *wr[4];                                                                            \
                 const int16_t *sc[4];                                                                            \
@@ -1887,13 +1910,13 @@ static inline __attribute__((always_inline)) void i8k512_pass(const uint8_t *con
                     dr[r] = dsup[(r0 + r) * nsb + s];                                                            \
                     mr[r] = MINS ? msup[(r0 + r) * nsb + s] : 0.f;                                               \
                 }                                                                                                \
-                i8k512_pass(wr, xt, sc, MINS ? mp : NULL, dr, mr, xd, xs, c + r0, SGN, G16, DEPTH);              \
+                i8k512_pass(wr, xt, sc, MINS ? mp : NULL, dr, mr, xd, xs, x16, c + r0, SGN, G16, DEPTH);         \
             }                                                                                                    \
         }                                                                                                        \
     }
-I8K512_FN(i8k512_q4, 0, 0, 8, 1)
-I8K512_FN(i8k512_q5, 0, 0, 4, 1)
-I8K512_FN(i8k512_q6, 1, 1, 4, 0)
+I8K512_FN(i8k512_q4, 0, 0, 8, 1, 0)
+I8K512_FN(i8k512_q5, 0, 0, 4, 1, 0)
+I8K512_FN(i8k512_q6, 0, 1, 2, 0, 1) /* q + 32 <= 63: pairs in int16 over 2 steps */
 #endif
 
 #if !defined(WQ_TILES)
@@ -2158,7 +2181,12 @@ static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     const int64_t ng = K / G, nsb = K / KS, mg = (M + 15) / 16, tasks = (N + 15) / 16;
     const int64_t row_bytes = row_bytes_of(bits, K);
     const int mins = wm != NULL && wm->b != NULL;
-    i8k_in_t in = i8k_inputs(x, x_bf16, M, K, mins);
+#ifdef WQ_TILES
+    const int plus32 = sgn; /* Q6_K staged unsigned, q + 32 */
+#else
+    const int plus32 = 0;
+#endif
+    i8k_in_t in = i8k_inputs(x, x_bf16, M, K, mins, plus32);
 #pragma omp parallel
     {
         uint8_t *wide = (uint8_t *)aligned_alloc(64, (size_t)(16 * K));
@@ -2205,6 +2233,7 @@ static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                         v = _mm256_loadu_si256((const __m256i *)(wr + b * QB));
                     else
                         v = block_bytes(wr + b * BLOCK_BYTES(bits), bits, sgn);
+                    if (plus32) v = _mm256_add_epi8(v, _mm256_set1_epi8(32));
                     _mm256_store_si256((__m256i *)(wide + i * K + b * QB), v);
                 }
             }
@@ -2236,6 +2265,7 @@ static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     free(in.bt);
     free(in.xdt);
     free(in.xst);
+    free(in.xs16);
 }
 #endif
 
