@@ -1341,16 +1341,26 @@ static inline __attribute__((always_inline)) void row_i16(const uint8_t *w, cons
     }
 I16ROWS_FN(4) I16ROWS_FN(5) I16ROWS_FN(8)
 
+/* x [M, K] as gemm_i16 and gemm_i16b take it: int16 per 32 (*xq [M, K], *xs [M, K / 32]) and the float32 sums per
+ * block (*xg), as the float32 path forms them; the caller frees the three */
+static void i16_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int16_t **xq, float **xs, float **xg) {
+    const int64_t nb = K / QB;
+    float *xf = (float *)malloc((size_t)(M * K) * sizeof(float));
+    *xg = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
+    *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    quantize_rows(x, x_bf16, M, K, QB, NULL, NULL, *xg, xf);
+    quantize_rows16(xf, M, K, *xq, *xs);
+    free(xf);
+}
+
 static void gemm_i16(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out, int out_bf16,
                      int64_t ldo, int64_t N) {
-    const int64_t groups = (N + 3) / 4, nb = K / QB;
-    float *xf = (float *)malloc((size_t)(M * K) * sizeof(float));
-    float *xg = (float *)malloc((size_t)(M * nb) * sizeof(float));
-    int16_t *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
-    float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
-    quantize_rows(x, x_bf16, M, K, QB, NULL, NULL, xg, xf); /* the group sums as the float32 path forms them */
-    quantize_rows16(xf, M, K, xq, xs);
+    const int64_t groups = (N + 3) / 4;
+    int16_t *xq;
+    float *xs, *xg;
+    i16_inputs(x, x_bf16, M, K, &xq, &xs, &xg);
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n0 = 4 * g, n1 = n0 + 4 < N ? n0 + 4 : N;
@@ -1358,7 +1368,6 @@ static void gemm_i16(const void *x, int x_bf16, int64_t M, int64_t K, const uint
         else if (bits == 8) i16rows_8(xq, xs, xg, M, K, w, ws, wm, n0, n1, bias, res, out, out_bf16, ldo);
         else i16rows_4(xq, xs, xg, M, K, w, ws, wm, n0, n1, bias, res, out, out_bf16, ldo);
     }
-    free(xf);
     free(xg);
     free(xq);
     free(xs);
@@ -1377,12 +1386,9 @@ typedef struct {
 
 static i16b_in_t i16b_inputs(const void *x, int x_bf16, int64_t M, int64_t K) {
     const int64_t mg = (M + 15) / 16, nb = K / QB;
-    float *xf = (float *)malloc((size_t)(M * K) * sizeof(float));
-    float *xg = (float *)malloc((size_t)(M * nb) * sizeof(float));
-    int16_t *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
-    float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
-    quantize_rows(x, x_bf16, M, K, QB, NULL, NULL, xg, xf); /* the group sums as the float32 path forms them */
-    quantize_rows16(xf, M, K, xq, xs);
+    int16_t *xq;
+    float *xs, *xg;
+    i16_inputs(x, x_bf16, M, K, &xq, &xs, &xg);
     i16b_in_t in;
     in.bt = (int16_t *)aligned_alloc(64, (size_t)(mg * K * 16) * sizeof(int16_t));
     memset(in.bt, 0, (size_t)(mg * K * 16) * sizeof(int16_t));
@@ -1396,7 +1402,6 @@ static i16b_in_t i16b_inputs(const void *x, int x_bf16, int64_t M, int64_t K) {
             in.xgt[((m / 16) * nb + b) * 16 + m % 16] = xg[m * nb + b];
         }
     }
-    free(xf);
     free(xg);
     free(xq);
     free(xs);
@@ -1613,33 +1618,39 @@ static void amx_inputs_free(amx_in_t *in) {
     free(in->xgt);
 }
 
+/* one weight row's K values a byte each into dst (32-byte aligned): 4-bit blocks widened (through `table` where the
+ * layout has one), the rest as block_bytes gives them; plus `add` (mod 256: 128 makes signed bytes unsigned, 32
+ * Q6_K's) */
+static void widen_row(const uint8_t *wr, const int bits, const int sgn, int64_t K, const int8_t *table, int add,
+                      uint8_t *dst) {
+    const __m128i tab = table ? _mm_loadu_si128((const __m128i *)table) : _mm_setzero_si128();
+    for (int64_t b = 0; b < K / QB; b++) {
+        __m256i v;
+        if (bits == 4) { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
+            const __m128i q = _mm_loadu_si128((const __m128i *)(wr + b * 16));
+            __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
+            if (table) lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi); /* signed values */
+            v = _mm256_set_m128i(hi, lo);
+        } else if (bits == 8)
+            v = _mm256_loadu_si256((const __m256i *)(wr + b * QB));
+        else
+            v = block_bytes(wr + b * BLOCK_BYTES(bits), bits, sgn);
+        if (add) v = _mm256_add_epi8(v, _mm256_set1_epi8((char)add));
+        _mm256_store_si256((__m256i *)(dst + b * QB), v);
+    }
+}
+
 /* weight rows n0 .. n0 + 15 as the vector kernels read them: their values a byte each in wide [16][K] (4-bit
  * blocks widened, through `table` where the layout has one; signed ones + 128 where plus128), their scales in wsf
  * and mins in wmf (or none) [16][ng] */
 static void stage_rows(const uint8_t *w, const int bits, const int sgn, int64_t row_bytes, int64_t K,
                        const int8_t *table, const sc_t *ws, const sc_t *wm, int64_t ng, int64_t n0, int plus128,
                        uint8_t *wide, float *wsf, float *wmf) {
-    const int64_t nb = K / QB;
-    const __m128i tab = table ? _mm_loadu_si128((const __m128i *)table) : _mm_setzero_si128();
     for (int i = 0; i < 16; i++) {
         row_scales(ws, n0 + i, ng, wsf + i * ng);
         if (wm) row_scales(wm, n0 + i, ng, wmf + i * ng);
-        const uint8_t *wr = w + (n0 + i) * row_bytes;
-        for (int64_t b = 0; b < nb; b++) {
-            __m256i v;
-            if (bits == 4) { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
-                const __m128i q = _mm_loadu_si128((const __m128i *)(wr + b * 16));
-                __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));
-                __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
-                if (table) lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi); /* signed values */
-                v = _mm256_set_m128i(hi, lo);
-            } else if (bits == 8)
-                v = _mm256_loadu_si256((const __m256i *)(wr + b * QB));
-            else
-                v = block_bytes(wr + b * BLOCK_BYTES(bits), bits, sgn);
-            if (sgn && plus128) v = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
-            _mm256_store_si256((__m256i *)(wide + i * K + b * QB), v);
-        }
+        widen_row(w + (n0 + i) * row_bytes, bits, sgn, K, table, sgn && plus128 ? 128 : 0, wide + i * K);
     }
 }
 
@@ -2234,20 +2245,7 @@ static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                         mpi[i * (ng / 2) + g] = (int32_t)((uint32_t)mr.b[2 * g] | ((uint32_t)mr.b[2 * g + 1] << 16));
                     for (int64_t s = 0; s < nsb; s++) msup[i * nsb + s] = mr.sup[s];
                 }
-                const uint8_t *wr = w + (n0 + i) * row_bytes;
-                for (int64_t b = 0; b < K / QB; b++) {
-                    __m256i v;
-                    if (bits == 4) {
-                        const __m128i q = _mm_loadu_si128((const __m128i *)(wr + b * 16));
-                        v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)),
-                                             _mm_and_si128(q, _mm_set1_epi8(0x0F)));
-                    } else if (bits == 8)
-                        v = _mm256_loadu_si256((const __m256i *)(wr + b * QB));
-                    else
-                        v = block_bytes(wr + b * BLOCK_BYTES(bits), bits, sgn);
-                    if (plus32) v = _mm256_add_epi8(v, _mm256_set1_epi8(32));
-                    _mm256_store_si256((__m256i *)(wide + i * K + b * QB), v);
-                }
+                widen_row(w + (n0 + i) * row_bytes, bits, sgn, K, NULL, plus32 ? 32 : 0, wide + i * K);
             }
             for (int64_t g0 = 0; g0 < mg; g0++) {
                 float v[16][16] __attribute__((aligned(64)));
