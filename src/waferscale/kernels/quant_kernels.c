@@ -1935,10 +1935,10 @@ I8K512_FN(i8k512_q6, 0, 1, 2, 0, 1) /* q + 32 <= 63: pairs in int16 over 2 steps
 /* Batches on AVX2 CPUs without AVX-512 VNNI: gemm_vnni's sums with 256-bit vpmaddubsw (unsigned x signed bytes into
  * int16 pairs) and vpmaddwd, 8 input rows a vector, 2 weight rows x 16 input rows a pass (x loaded once a step for
  * both weight rows; 8 input rows where a group has no more). Unsigned weights go in as they are; signed ones as |w|,
- * their signs moved onto x (vpsignb). Pairs are summed in int16 only where they cannot saturate: 4-bit and 5-bit weights
- * (|w| <= 16) over a whole block, 6-bit (|w| <= 32) over half of one, 8-bit a step at a time. Each block's integer
- * dot is exact, then scaled and added as gemm_vnni adds it (the same bits where the layout has no mins; those with
- * mins within the last bit, the compiler fusing their products otherwise). */
+ * their signs moved onto x (vpsignb). Pairs are summed in int16 only where they cannot saturate: 4-bit and 5-bit
+ * weights (|w| <= 16) over a whole block, 6-bit (|w| <= 32) over half of one, 8-bit a step at a time. Each block's
+ * integer dot is exact, then scaled and added as gemm_vnni adds it (the same bits where the layout has no mins; those
+ * with mins within the last bit, the compiler fusing their products otherwise). */
 static int i8v_state = 1; /* on unless a test turns it off */
 
 static int gemm_i8v_serves(int bits, int sgn, int64_t G, int sfmt, const void *mins) {
