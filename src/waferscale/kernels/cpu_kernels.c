@@ -1351,7 +1351,9 @@ void masked_argmax(const float *x, int64_t B, int64_t V, const uint32_t *mask, i
             }
         }
         int64_t at = -1;
-        if (m > -INFINITY) {
+        uint32_t mbits; /* m above -inf, compared as bits: -ffast-math lets a compiler fold m > -INFINITY to true */
+        memcpy(&mbits, &m, sizeof mbits);
+        if (mbits != 0xff800000u) {
             for (int64_t w = 0; w < W && at < 0; w++) {
                 uint32_t bits = mw[w];
                 while (bits) {
