@@ -1526,6 +1526,42 @@ static void gemm_i16b(const void *x, int x_bf16, int64_t M, int64_t K, const uin
 
 /* What the int8 tiles (AMX) and their vector counterparts (AVX-512 VNNI, AVX2) share: the input rows in the tile
  * unit's layout, and the weight rows past the last whole task. */
+/* one input row (xm: its int8 values, xsm: its scales per 32, xgm: its sums per 32 or NULL) against one weight row
+ * (wn, its scales sr and mins mr), the integer sums per group of G (16 or 32) scaled as the tiles' are. A function of
+ * its own, one body for every caller and one pair a call: a row's last bit depended on how many rows came with it
+ * where amx_tail looped over the rows itself (GCC 13 on an AMX Xeon: a row alone, by q8_exact, differed from the same
+ * row in a batch, by the tiles, in the rows past their last task) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define ONE_BODY __attribute__((noipa)) /* neither inlined nor cloned for a caller's constants */
+#else
+#define ONE_BODY __attribute__((noinline))
+#endif
+static ONE_BODY float tail_sum(const int8_t *xm, const float *xsm, const float *xgm, int64_t K, const uint8_t *wn,
+                               int bits, int sgn, int64_t G, const sc_t *sr, const sc_t *mr, const int8_t *table) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < K / G; g++) {
+        int32_t dot = 0;
+        const int64_t k0 = g * G, b = k0 / QB;
+        const int8_t *xb = xm + k0;
+        if (bits == 4 && table) /* one loop per layout: GCC 12 vectorized a select between them wrongly */
+            for (int i = 0; i < 16; i++)
+                dot += table[wn[b * 16 + i] & 0x0F] * (int32_t)xb[i] + table[wn[b * 16 + i] >> 4] * (int32_t)xb[i + 16];
+        else if (bits == 4)
+            for (int i = 0; i < 16; i++)
+                dot += (wn[b * 16 + i] & 0x0F) * (int32_t)xb[i] + (wn[b * 16 + i] >> 4) * (int32_t)xb[i + 16];
+        else if (bits == 5 || bits == 6)
+            for (int i = 0; i < G; i++)
+                dot += block_q(wn + b * BLOCK_BYTES(bits), bits, sgn, (int)(k0 % QB) + i) * (int32_t)xb[i];
+        else if (sgn)
+            for (int i = 0; i < G; i++) dot += (int32_t)((const int8_t *)wn)[k0 + i] * (int32_t)xb[i];
+        else
+            for (int i = 0; i < G; i++) dot += (int32_t)wn[k0 + i] * (int32_t)xb[i];
+        acc += (float)dot * (sc_at(sr, g) * xsm[b]);
+        if (mr) acc += sc_at(mr, g) * xgm[b];
+    }
+    return acc;
+}
+
 /* the integer sums of weight rows n0 .. n1 against every input row, one at a time, then scaled as the tiles' are:
  * the rows past the tiles' last whole task (plain C: at most 31 rows); scales per group of G (16 or 32) */
 static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t M, int64_t K, const uint8_t *w,
@@ -1534,31 +1570,10 @@ static void amx_tail(const int8_t *xq, const float *xs, const float *xg, int64_t
                      const int8_t *table) {
     const int64_t nb = K / QB, ng = K / G, row_bytes = row_bytes_of(bits, K);
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *wn = w + n * row_bytes;
         const sc_t sr = sc_row(*ws, n, ng), mr = wm ? sc_row(*wm, n, ng) : sr;
         for (int64_t m = 0; m < M; m++) {
-            float acc = 0.f;
-            for (int64_t g = 0; g < ng; g++) {
-                int32_t dot = 0;
-                const int64_t k0 = g * G, b = k0 / QB;
-                const int8_t *xb = xq + m * K + k0;
-                if (bits == 4 && table) /* one loop per layout: GCC 12 vectorized a select between them wrongly */
-                    for (int i = 0; i < 16; i++)
-                        dot += table[wn[b * 16 + i] & 0x0F] * (int32_t)xb[i] +
-                               table[wn[b * 16 + i] >> 4] * (int32_t)xb[i + 16];
-                else if (bits == 4)
-                    for (int i = 0; i < 16; i++)
-                        dot += (wn[b * 16 + i] & 0x0F) * (int32_t)xb[i] + (wn[b * 16 + i] >> 4) * (int32_t)xb[i + 16];
-                else if (bits == 5 || bits == 6)
-                    for (int i = 0; i < G; i++)
-                        dot += block_q(wn + b * BLOCK_BYTES(bits), bits, sgn, (int)(k0 % QB) + i) * (int32_t)xb[i];
-                else if (sgn)
-                    for (int i = 0; i < G; i++) dot += (int32_t)((const int8_t *)wn)[k0 + i] * (int32_t)xb[i];
-                else
-                    for (int i = 0; i < G; i++) dot += (int32_t)wn[k0 + i] * (int32_t)xb[i];
-                acc += (float)dot * (sc_at(&sr, g) * xs[m * nb + b]);
-                if (wm) acc += sc_at(&mr, g) * xg[m * nb + b];
-            }
+            const float acc = tail_sum(xq + m * K, xs + m * nb, wm ? xg + m * nb : NULL, K, w + n * row_bytes, bits,
+                                       sgn, G, &sr, wm ? &mr : NULL, table);
             put(acc, m, n, bias, res, out, out_bf16, ldo);
         }
     }
@@ -2620,15 +2635,15 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
 #if defined(__AMX_BF16__)
 #define WQ_AMX_BF16 1
 #define AMX_BF16Q_ROWS 4 /* measured (135M shapes): even at 2-3 rows, 1.1-2x faster from 4, 2-3x at 64-256 */
-/* The one-level blocks whose int8 activations cost accuracy (Q4_0, Q4_1, Q5_1: unsigned q of 4 or 5 bits, a scale
- * per 32-multiple group, mins where the layout has them) for bf16 input rows at any batch size: q and x are exact in
- * bf16, so each block's sum of q x comes from the tile unit's bf16 products (float32 sums), then scaled: scale x sum
- * plus min x the row's sum over the block, block by block. A = 16 weight rows x a block's 32 q as bf16 (through a
- * 32-entry table), B = 16 input rows' block in pairs (made once per call), C [16 weight rows][16 input rows]. Each
- * output is the same in any batch (the tile unit sums a column on its own); weight rows past a multiple of 32 in
- * plain C. */
+/* The one-level blocks whose int8 activations cost accuracy (Q4_0, Q4_1, Q5_1: unsigned q of 4 or 5 bits, or a byte
+ * each as earlier conversions held Q5_1, a scale per 32-multiple group, mins where the layout has them) for bf16
+ * input rows at any batch size: q and x are exact in bf16, so each block's sum of q x comes from the tile unit's bf16
+ * products (float32 sums), then scaled: scale x sum plus min x the row's sum over the block, block by block. A = 16
+ * weight rows x a block's 32 q as bf16 (through a 32-entry table; bytes converted), B = 16 input rows' block in
+ * pairs (made once per call), C [16 weight rows][16 input rows]. Each output is the same in any batch (the tile unit
+ * sums a column on its own); weight rows past a multiple of 32 in plain C. */
 static int gemm_amx_bf16q_serves(int x_bf16, int bits, int sgn, int64_t G, int sfmt) {
-    return x_bf16 && !sgn && (bits == 4 || bits == 5) && G % QB == 0 && sfmt != SC_TWO_LEVEL;
+    return x_bf16 && !sgn && (bits == 4 || bits == 5 || bits == 8) && G % QB == 0 && sfmt != SC_TWO_LEVEL;
 }
 
 static void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const int bits, int64_t G,
@@ -2688,6 +2703,16 @@ static void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_
                                 const __m128i v = _mm_loadu_si128((const __m128i *)blk);
                                 q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)),
                                                      _mm_and_si128(v, _mm_set1_epi8(0x0F)));
+                            } else if (bits == 8) { /* a byte a weight (Q5_1 as earlier conversions hold it): any
+                                                      * byte is exact in bf16, its float32's top half */
+                                for (int hf = 0; hf < 2; hf++) {
+                                    const __m128i b16 = _mm_loadu_si128((const __m128i *)(blk + 16 * hf));
+                                    const __m512 fv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b16));
+                                    const __m512i f = _mm512_castps_si512(fv);
+                                    _mm256_store_si256((__m256i *)(ab[h][r] + 16 * hf),
+                                                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(f, 16)));
+                                }
+                                continue;
                             } else
                                 q = block_bytes(blk, 5, 0);
                             _mm512_store_si512((void *)ab[h][r], _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), tab));
