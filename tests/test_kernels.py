@@ -68,7 +68,7 @@ def _long_pool(lengths: list[int], block_size: int = 16, kv_heads: int = 3, d: i
 
 @needs_native
 def test_paged_decode_attention_over_long_contexts_merges_its_chunks_exactly():
-    """Sequences longer than one task's chunk (1024 positions) are split and merged: the softmax of the whole, with
+    """Sequences longer than one task's chunk (512 positions) are split and merged: the softmax of the whole, with
     sinks and a window start too."""
     torch.manual_seed(3)
     lengths = torch.tensor([1500, 4100, 1024, 1025, 30])

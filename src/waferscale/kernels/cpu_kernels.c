@@ -376,7 +376,7 @@ static void att_scores_grouped(const float *qb, const void *k_cache, int fmt, co
 /* Positions a task of paged_decode_attention_ex covers: a longer sequence is split into chunks of this many, each its
  * own task (so that one long sequence takes every thread), combined afterwards in chunk order. The split depends on
  * the sequence's length only, never on the batch: a sequence gets the same numbers in any batch. */
-#define ATT_CHUNK 1024
+#define ATT_CHUNK 512
 
 /* out[b, h, :] = softmax(q[b, h] . K[b]^T * scale) V[b] over positions starts[b] .. lengths[b] - 1 (starts NULL: from
  * 0; a sliding window) of sequence b, whose position t lives in slot tables[b, t / block_size] * block_size +
@@ -407,12 +407,12 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
         pl = (float *)malloc((size_t)(T * H) * sizeof(float));
         pacc = (float *)malloc((size_t)(T * H * D) * sizeof(float));
     }
-    /* Fewer tasks than threads (one stream of up to ATT_CHUNK positions): each task's kv heads become tasks of their
-     * own (on the grouped kernels), so that the other threads do not wait. Not with more tasks: threads then shared
-     * chunks, and one chunk's heads read by two cores measured slower. A head's numbers are the same whichever task
-     * computes them. */
+    /* Fewer than two tasks a thread (one stream of up to 2 x threads chunks): each task's kv heads become tasks of
+     * their own (on the grouped kernels), so that the threads share the work evenly (3 kv heads or 3 chunks on 2
+     * threads left one idle a third of the time). Not with more tasks: threads then shared chunks, and one chunk's
+     * heads read by two cores measured slower. A head's numbers are the same whichever task computes them. */
     const int grouped = D % 16 == 0 && H / KVH <= ATT_MAX_GROUP;
-    const int64_t S = grouped && T < (int64_t)omp_get_max_threads() ? KVH : 1, G = H / KVH;
+    const int64_t S = grouped && T < 2 * (int64_t)omp_get_max_threads() ? KVH : 1, G = H / KVH;
 #pragma omp parallel
     {
         int64_t cap = 0;
