@@ -266,6 +266,33 @@ static inline float hsum(vf v) {
 #endif
 }
 
+#if VL == 16
+/* r[i] = hsum(v[i]) for 16 vectors, each summed in hsum's order (_mm512_reduce_add_ps's: the 256-bit halves, the
+ * 128-bit halves, then lanes 0 + 2 and 1 + 3, then those two), so the same bits as 16 calls of hsum: the vectors
+ * transposed while they are added, 15 additions and 30 shuffles for 16 sums */
+static inline vf hsum16(const vf *v) {
+    __m512 w[8], u[4], t[2];
+    for (int j = 0; j < 8; j++) {
+        __m512 a, b;
+        memcpy(&a, &v[2 * j], sizeof a);
+        memcpy(&b, &v[2 * j + 1], sizeof b);
+        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int k = 0; k < 4; k++) /* 128-bit lane l: v[4k + l]'s sums of 4 */
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
+    for (int m = 0; m < 2; m++) /* lane l: v[8m + l]'s sums of 2, then v[8m + 4 + l]'s */
+        t[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0xEE));
+    /* lane 4l + e: hsum(v[l + 4e]) */
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
+    const __m512 o = _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), r);
+    vf out;
+    memcpy(&out, &o, sizeof out);
+    return out;
+}
+#endif
+
 /* FN(format, group size) with both as constants, for the common group sizes (each combination compiled apart, its
  * format tests and group loop bounds folded); `fmt`, H and KVH in scope. */
 #define ATT_GROUPS(FN, F)                                                                                           \
@@ -337,6 +364,42 @@ static inline __attribute__((always_inline)) void att_scores_grouped_fmt(const f
                                                                           int64_t block_size, float scale,
                                                                           float *scores) {
     const int64_t row_len = KVH * D, qg = kv_group(D), ng = D / qg;
+#if VL == 16
+    /* 16 positions at a time: their products per head summed across lanes together (hsum16), not one hsum each */
+    for (int64_t g = g0; g < g1; g++) {
+        const float *qgp = qb + g * G * D;
+        slot_walk_t walk = slot_walk(table, pos0, block_size);
+        for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            const int64_t nt = n - t0 < 16 ? n - t0 : 16;
+            int64_t slots[16];
+            for (int64_t i = 0; i < nt; i++) slots[i] = slot_next(&walk);
+            vf tot[ATT_MAX_GROUP];
+            for (int64_t h = 0; h < G; h++) tot[h] = (vf){0};
+            for (int64_t j = 0; j < ng; j++) {
+                vf part[ATT_MAX_GROUP][16];
+                for (int64_t i = 0; i < 16; i++) {
+                    vf pv[ATT_MAX_GROUP];
+                    for (int64_t h = 0; h < G; h++) pv[h] = (vf){0};
+                    for (int64_t c = j * qg; i < nt && c < (j + 1) * qg; c += VL) {
+                        const vf x = loadv(k_cache, fmt, slots[i] * row_len + g * D + c);
+                        for (int64_t h = 0; h < G; h++) {
+                            vf qv;
+                            memcpy(&qv, qgp + h * D + c, sizeof qv);
+                            pv[h] += qv * x;
+                        }
+                    }
+                    for (int64_t h = 0; h < G; h++) part[h][i] = pv[h];
+                }
+                vf ks = (vf){0} + 1.f;
+                if (fmt == KV_I8)
+                    for (int64_t i = 0; i < nt; i++) ks[i] = k_scale[(slots[i] * KVH + g) * ng + j];
+                for (int64_t h = 0; h < G; h++) tot[h] += hsum16(part[h]) * ks;
+            }
+            for (int64_t h = 0; h < G; h++)
+                for (int64_t i = 0; i < nt; i++) scores[(g * G + h) * n + t0 + i] = tot[h][i] * scale;
+        }
+    }
+#else
     for (int64_t g = g0; g < g1; g++) {
         const float *qgp = qb + g * G * D;
         slot_walk_t walk = slot_walk(table, pos0, block_size);
@@ -361,6 +424,7 @@ static inline __attribute__((always_inline)) void att_scores_grouped_fmt(const f
             for (int64_t h = 0; h < G; h++) scores[(g * G + h) * n + t] = tot[h] * scale;
         }
     }
+#endif
 }
 
 /* att_scores_grouped_fmt compiled per cache format and group size, for kv heads g0 .. g1 - 1 */
