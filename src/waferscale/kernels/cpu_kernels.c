@@ -291,6 +291,29 @@ static inline vf hsum16(const vf *v) {
     memcpy(&out, &o, sizeof out);
     return out;
 }
+#define HSUM_VL hsum16
+#elif defined(WS_AVX2)
+/* r[i] = hsum(v[i]) for 8 vectors, each summed in hsum's order (the 128-bit halves, then lanes 0 + 2 and 1 + 3,
+ * then those two): the same bits as 8 calls of hsum */
+static inline vf hsum8x8(const vf *v) {
+    __m256 w[4], t[2];
+    for (int j = 0; j < 4; j++) { /* 128-bit lane l: v[2j + l]'s sums of 2 */
+        __m256 a, b;
+        memcpy(&a, &v[2 * j], sizeof a);
+        memcpy(&b, &v[2 * j + 1], sizeof b);
+        w[j] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    }
+    for (int m = 0; m < 2; m++) /* lane l: v[4m + l]'s sums of 2 halves, then v[4m + 2 + l]'s */
+        t[m] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * m], w[2 * m + 1], 0x44),
+                             _mm256_shuffle_ps(w[2 * m], w[2 * m + 1], 0xEE));
+    /* lane 4l + e: hsum(v[l + 2e]) */
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x88), _mm256_shuffle_ps(t[0], t[1], 0xDD));
+    const __m256 o = _mm256_permutevar8x32_ps(r, _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0));
+    vf out;
+    memcpy(&out, &o, sizeof out);
+    return out;
+}
+#define HSUM_VL hsum8x8
 #endif
 
 /* FN(format, group size) with both as constants, for the common group sizes (each combination compiled apart, its
@@ -364,20 +387,20 @@ static inline __attribute__((always_inline)) void att_scores_grouped_fmt(const f
                                                                           int64_t block_size, float scale,
                                                                           float *scores) {
     const int64_t row_len = KVH * D, qg = kv_group(D), ng = D / qg;
-#if VL == 16
-    /* 16 positions at a time: their products per head summed across lanes together (hsum16), not one hsum each */
+#ifdef HSUM_VL
+    /* VL positions at a time: their products per head summed across lanes together (HSUM_VL), not one hsum each */
     for (int64_t g = g0; g < g1; g++) {
         const float *qgp = qb + g * G * D;
         slot_walk_t walk = slot_walk(table, pos0, block_size);
-        for (int64_t t0 = 0; t0 < n; t0 += 16) {
-            const int64_t nt = n - t0 < 16 ? n - t0 : 16;
-            int64_t slots[16];
+        for (int64_t t0 = 0; t0 < n; t0 += VL) {
+            const int64_t nt = n - t0 < VL ? n - t0 : VL;
+            int64_t slots[VL];
             for (int64_t i = 0; i < nt; i++) slots[i] = slot_next(&walk);
             vf tot[ATT_MAX_GROUP];
             for (int64_t h = 0; h < G; h++) tot[h] = (vf){0};
             for (int64_t j = 0; j < ng; j++) {
-                vf part[ATT_MAX_GROUP][16];
-                for (int64_t i = 0; i < 16; i++) {
+                vf part[ATT_MAX_GROUP][VL];
+                for (int64_t i = 0; i < VL; i++) {
                     vf pv[ATT_MAX_GROUP];
                     for (int64_t h = 0; h < G; h++) pv[h] = (vf){0};
                     for (int64_t c = j * qg; i < nt && c < (j + 1) * qg; c += VL) {
@@ -393,7 +416,7 @@ static inline __attribute__((always_inline)) void att_scores_grouped_fmt(const f
                 vf ks = (vf){0} + 1.f;
                 if (fmt == KV_I8)
                     for (int64_t i = 0; i < nt; i++) ks[i] = k_scale[(slots[i] * KVH + g) * ng + j];
-                for (int64_t h = 0; h < G; h++) tot[h] += hsum16(part[h]) * ks;
+                for (int64_t h = 0; h < G; h++) tot[h] += HSUM_VL(part[h]) * ks;
             }
             for (int64_t h = 0; h < G; h++)
                 for (int64_t i = 0; i < nt; i++) scores[(g * G + h) * n + t0 + i] = tot[h][i] * scale;
