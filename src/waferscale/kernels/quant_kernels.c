@@ -1860,7 +1860,7 @@ static inline __attribute__((always_inline)) void i8k512_pass(const uint8_t *con
                                                               const int16_t *const *sc, const int32_t *const *mp,
                                                               const float *dr, const float *mr, const float *xd,
                                                               const int16_t *xs, const int16_t *xs16, __m512 *c,
-                                                              const int sgn, const int g16, const int depth) {
+                                                              const int g16, const int depth) {
     const int per = g16 ? 16 : 8, js = g16 ? 4 : 8;
     __m512i i32[4];
     for (int r = 0; r < 4; r++) i32[r] = _mm512_setzero_si512();
@@ -1876,13 +1876,7 @@ static inline __attribute__((always_inline)) void i8k512_pass(const uint8_t *con
                 for (int r = 0; r < 4; r++) {
                     int32_t w4;
                     memcpy(&w4, wr[r] + k, 4);
-                    const __m512i wb = _mm512_set1_epi32(w4);
-                    if (sgn) {
-                        const __m512i xn =
-                            _mm512_mask_sub_epi8(x0, _mm512_movepi8_mask(wb), _mm512_setzero_si512(), x0);
-                        p[r] = _mm512_add_epi16(p[r], _mm512_maddubs_epi16(_mm512_abs_epi8(wb), xn));
-                    } else
-                        p[r] = _mm512_add_epi16(p[r], _mm512_maddubs_epi16(wb, x0));
+                    p[r] = _mm512_add_epi16(p[r], _mm512_maddubs_epi16(_mm512_set1_epi32(w4), x0));
                     __asm__("" : "+v"(p[r]));
                 }
             }
@@ -1914,35 +1908,18 @@ static inline __attribute__((always_inline)) void i8k512_pass(const uint8_t *con
     }
 }
 
-#define I8K512_FN(NAME, SGN, G16, DEPTH, MINS, C32)                                                              \
-    static __attribute__((noinline)) void NAME(const uint8_t *wide, const int16_t *sci, const int32_t *mpi,      \
-                                               const float *dsup, const float *msup, const i8k_in_t *in,         \
-                                               int64_t g0, int64_t K, __m512 c[16]) {                            \
-        const int64_t nsb = K / KS, ng = K / (G16 ? 16 : 32), per = ng / nsb;                                    \
-        for (int64_t s = 0; s < nsb; s++) {                                                                      \
-            const int8_t *xt = in->bt + g0 * K * 16 + s * KS * 16;                                               \
-            const float *xd = in->xdt + (g0 * nsb + s) * 16;                                                     \
-            const int16_t *xs = MINS ? in->xst + (g0 * (K / 64) + s * 4) * 32 : NULL;                             \
-            const int16_t *x16 = C32 ? in->xs16 + (g0 * (K / 32) + s * 8) * 32 : NULL;                            \
-            for (int r0 = 0; r0 < 16; r0 += 4) {                                                                 \
-                const uint8_t *wr[4];                                                                            \
-                const int16_t *sc[4];                                                                            \
-                const int32_t *mp[4];                                                                            \
-                float dr[4], mr[4];                                                                              \
-                for (int r = 0; r < 4; r++) {                                                                    \
-                    wr[r] = wide + (r0 + r) * K + s * KS;                                                        \
-                    sc[r] = sci + (r0 + r) * ng + s * per;                                                       \
-                    mp[r] = MINS ? mpi + (r0 + r) * (ng / 2) + s * (per / 2) : NULL;                             \
-                    dr[r] = dsup[(r0 + r) * nsb + s];                                                            \
-                    mr[r] = MINS ? msup[(r0 + r) * nsb + s] : 0.f;                                               \
-                }                                                                                                \
-                i8k512_pass(wr, xt, sc, MINS ? mp : NULL, dr, mr, xd, xs, x16, c + r0, SGN, G16, DEPTH);         \
-            }                                                                                                    \
-        }                                                                                                        \
-    }
-I8K512_FN(i8k512_q4, 0, 0, 8, 1, 0)
-I8K512_FN(i8k512_q5, 0, 0, 4, 1, 0)
-I8K512_FN(i8k512_q6, 0, 1, 2, 0, 1) /* q + 32 <= 63: pairs in int16 over 2 steps */
+/* what gemm_i8k's passes (I8K_FN) take in this build: weight rows a pass, one weight row's sums for the 16 input rows,
+ * and the pass */
+#define I8K_R 4
+typedef __m512 i8k_acc_t;
+#define I8K_PASS(wr, xt, sc, mp, dr, mr, xd, xs, x16, c, G16, DEPTH) \
+    i8k512_pass(wr, xt, sc, mp, dr, mr, xd, xs, x16, c, G16, DEPTH)
+static inline void i8k_zero(i8k_acc_t *c) {
+    for (int i = 0; i < 16; i++) c[i] = _mm512_setzero_ps();
+}
+static inline void i8k_store(const i8k_acc_t *c, float v[16][16]) {
+    for (int i = 0; i < 16; i++) _mm512_store_ps(v[i], c[i]);
+}
 #endif
 
 #if !defined(WQ_TILES)
@@ -2116,8 +2093,7 @@ static inline __attribute__((always_inline)) void i8k_pass(const uint8_t *const 
                                                            const int16_t *const *sc, const int32_t *const *mp,
                                                            const float *dr, const float *mr, const float *xd,
                                                            const int16_t *xs, const int16_t *xs16, __m256 (*c)[2],
-                                                           const int R, const int sgn, const int g16,
-                                                           const int depth) {
+                                                           const int R, const int g16, const int depth) {
     const int per = g16 ? 16 : 8, js = g16 ? 4 : 8; /* groups a super-block, 4-byte steps a group */
     __m256i i32[4][2];
     for (int r = 0; r < R; r++) i32[r][0] = i32[r][1] = _mm256_setzero_si256();
@@ -2135,14 +2111,8 @@ static inline __attribute__((always_inline)) void i8k_pass(const uint8_t *const 
                     int32_t w4;
                     memcpy(&w4, wr[r] + k, 4);
                     const __m256i wb = _mm256_set1_epi32(w4);
-                    if (sgn) {
-                        const __m256i wa = _mm256_abs_epi8(wb);
-                        p[r][0] = _mm256_add_epi16(p[r][0], _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x0, wb)));
-                        p[r][1] = _mm256_add_epi16(p[r][1], _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x1, wb)));
-                    } else {
-                        p[r][0] = _mm256_add_epi16(p[r][0], _mm256_maddubs_epi16(wb, x0));
-                        p[r][1] = _mm256_add_epi16(p[r][1], _mm256_maddubs_epi16(wb, x1));
-                    }
+                    p[r][0] = _mm256_add_epi16(p[r][0], _mm256_maddubs_epi16(wb, x0));
+                    p[r][1] = _mm256_add_epi16(p[r][1], _mm256_maddubs_epi16(wb, x1));
                     /* keeps each step's sums in their registers: GCC otherwise forms all the steps' products
                      * first and spills them */
                     __asm__("" : "+x"(p[r][0]), "+x"(p[r][1]));
@@ -2184,10 +2154,25 @@ static inline __attribute__((always_inline)) void i8k_pass(const uint8_t *const 
 }
 
 #define I8K_R 2 /* weight rows a pass */
-#define I8K_FN(NAME, SGN, G16, DEPTH, MINS, C32)                                                                 \
+typedef __m256 i8k_acc_t[2];
+#define I8K_PASS(wr, xt, sc, mp, dr, mr, xd, xs, x16, c, G16, DEPTH) \
+    i8k_pass(wr, xt, sc, mp, dr, mr, xd, xs, x16, c, I8K_R, G16, DEPTH)
+static inline void i8k_zero(i8k_acc_t *c) {
+    for (int i = 0; i < 16; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+}
+static inline void i8k_store(const i8k_acc_t *c, float v[16][16]) {
+    for (int i = 0; i < 16; i++) _mm256_store_ps(v[i], c[i][0]), _mm256_store_ps(v[i] + 8, c[i][1]);
+}
+
+#endif
+
+#ifdef WQ_AVX2
+/* a super-block at a time, I8K_R weight rows a pass against input group g0 (the build's I8K_PASS): c[i] += weight
+ * row i's sums */
+#define I8K_FN(NAME, G16, DEPTH, MINS, C32)                                                                      \
     static __attribute__((noinline)) void NAME(const uint8_t *wide, const int16_t *sci, const int32_t *mpi,      \
                                                const float *dsup, const float *msup, const i8k_in_t *in,         \
-                                               int64_t g0, int64_t K, __m256 c[16][2]) {                         \
+                                               int64_t g0, int64_t K, i8k_acc_t *c) {                            \
         const int64_t nsb = K / KS, ng = K / (G16 ? 16 : 32), per = ng / nsb;                                    \
         for (int64_t s = 0; s < nsb; s++) {                                                                      \
             const int8_t *xt = in->bt + g0 * K * 16 + s * KS * 16;                                               \
@@ -2206,17 +2191,14 @@ static inline __attribute__((always_inline)) void i8k_pass(const uint8_t *const 
                     dr[r] = dsup[(r0 + r) * nsb + s];                                                            \
                     mr[r] = MINS ? msup[(r0 + r) * nsb + s] : 0.f;                                               \
                 }                                                                                                \
-                i8k_pass(wr, xt, sc, MINS ? mp : NULL, dr, mr, xd, xs, x16, c + r0, I8K_R, SGN, G16, DEPTH);     \
+                I8K_PASS(wr, xt, sc, MINS ? mp : NULL, dr, mr, xd, xs, x16, c + r0, G16, DEPTH);                 \
             }                                                                                                    \
         }                                                                                                        \
     }
-I8K_FN(i8k_q4, 0, 0, 8, 1, 0)
-I8K_FN(i8k_q5, 0, 0, 4, 1, 0)
-I8K_FN(i8k_q6, 0, 1, 2, 0, 1)
+I8K_FN(i8k_q4, 0, 8, 1, 0)
+I8K_FN(i8k_q5, 0, 4, 1, 0)
+I8K_FN(i8k_q6, 1, 2, 0, 1) /* q + 32 <= 63: pairs in int16 over 2 steps */
 
-#endif
-
-#ifdef WQ_AVX2
 static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
                      const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
@@ -2232,11 +2214,7 @@ static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint
         int32_t *mpi = mins ? (int32_t *)malloc((size_t)(16 * ng / 2) * sizeof(int32_t)) : NULL;
         float *dsup = (float *)malloc((size_t)(16 * nsb) * sizeof(float));
         float *msup = mins ? (float *)malloc((size_t)(16 * nsb) * sizeof(float)) : NULL;
-#ifdef WQ_TILES
-        __m512 c[16];
-#else
-        __m256 c[16][2];
-#endif
+        i8k_acc_t c[16];
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 16 * t, nr = N - n0 < 16 ? N - n0 : 16;
@@ -2264,19 +2242,11 @@ static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint
             }
             for (int64_t g0 = 0; g0 < mg; g0++) {
                 float v[16][16] __attribute__((aligned(64)));
-#ifdef WQ_TILES
-                for (int i = 0; i < 16; i++) c[i] = _mm512_setzero_ps();
-                if (bits == 4) i8k512_q4(wide, sci, mpi, dsup, msup, &in, g0, K, c);
-                else if (sgn) i8k512_q6(wide, sci, NULL, dsup, NULL, &in, g0, K, c);
-                else i8k512_q5(wide, sci, mpi, dsup, msup, &in, g0, K, c);
-                for (int i = 0; i < 16; i++) _mm512_store_ps(v[i], c[i]);
-#else
-                for (int i = 0; i < 16; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+                i8k_zero(c);
                 if (bits == 4) i8k_q4(wide, sci, mpi, dsup, msup, &in, g0, K, c);
                 else if (sgn) i8k_q6(wide, sci, NULL, dsup, NULL, &in, g0, K, c);
                 else i8k_q5(wide, sci, mpi, dsup, msup, &in, g0, K, c);
-                for (int i = 0; i < 16; i++) _mm256_store_ps(v[i], c[i][0]), _mm256_store_ps(v[i] + 8, c[i][1]);
-#endif
+                i8k_store(c, v);
                 const int64_t m0 = 16 * g0;
                 put16((const float(*)[16])v, M - m0 < 16 ? M - m0 : 16, nr, m0, n0, bias, res, out, out_bf16, ldo);
             }
