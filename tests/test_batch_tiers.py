@@ -50,8 +50,8 @@ def in_background(fn, done: dict, name: str) -> threading.Thread:
 def test_priority_goes_first_and_flex_waits(one_slot):
     c = client(one_slot)
     done: dict[str, float] = {}
-    threads = [in_background(lambda: chat(c, 300), done, "default")]
-    time.sleep(1.0)  # the default request holds the one slot
+    threads = [in_background(lambda: chat(c, 1000), done, "default")]
+    time.sleep(1.0)  # the default request holds the one slot (1,000 tokens: seconds past the others' arrival)
     threads.append(in_background(lambda: chat(c, 2, service_tier="flex"), done, "flex"))
     time.sleep(0.5)
     threads.append(in_background(lambda: chat(c, 2, service_tier="priority"), done, "priority"))
