@@ -864,41 +864,89 @@ enum { NIBBLES_256 = 1, NIBBLES_512 = 2 }; /* quantize_rows_k's layouts of x for
 /* rows of x [M, K] -> int8 xq [M, K], one scale a 256 xd [M, K / 256], and per 32 the sums of xq, xb [M, K / 32].
  * nibbles: each pair of 32-blocks (A, B) laid out as A 0-15, B 0-15, A 16-31, B 16-31, the order in which a 32-byte
  * load of the two blocks' nibbles gives their weights (low nibbles, then high ones). */
+/* where a 32-block's half hi (values 16 hi .. 16 hi + 15) of block b lies in its 256 (quantize_rows_k's layouts) */
+static inline int rows_k_at(int nibbles, int b, int hi) {
+    const int p = b / 2, h = b % 2;
+    return nibbles == NIBBLES_512 ? 128 * (p / 2) + 64 * hi + 32 * (p % 2) + 16 * h
+           : nibbles          ? 64 * p + 32 * hi + 16 * h
+                              : b * QB + 16 * hi;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __m512 load16_ps(const void *x, int x_bf16, int64_t at) {
+    if (!x_bf16) return _mm512_loadu_ps((const float *)x + at);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* one row's 256 values from x + at: rounded to int8 at their places in q, returns amax; the sums per 32 in sums */
+static inline float round_256(const void *x, int x_bf16, int64_t at, int nibbles, int8_t *q, int32_t *sums) {
+    __m512 v[KS / 16];
+    __m512 mx = _mm512_setzero_ps();
+    for (int i = 0; i < KS / 16; i++) {
+        v[i] = load16_ps(x, x_bf16, at + 16 * i);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v[i]));
+    }
+    const float amax = _mm512_reduce_max_ps(mx);
+    const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    for (int b = 0; b < KS / QB; b++) { /* cvtps rounds to nearest even, as lrintf */
+        const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(v[2 * b], id));
+        const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(v[2 * b + 1], id));
+        _mm_storeu_si128((__m128i *)(q + rows_k_at(nibbles, b, 0)), _mm512_cvtepi32_epi8(lo));
+        _mm_storeu_si128((__m128i *)(q + rows_k_at(nibbles, b, 1)), _mm512_cvtepi32_epi8(hi));
+        sums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+    }
+    return amax;
+}
+#else
+static inline __m256 load8_ps(const void *x, int x_bf16, int64_t at) {
+    if (!x_bf16) return _mm256_loadu_ps((const float *)x + at);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* one row's 256 values from x + at: rounded to int8 at their places in q, returns amax; the sums per 32 in sums */
+static inline float round_256(const void *x, int x_bf16, int64_t at, int nibbles, int8_t *q, int32_t *sums) {
+    __m256 v[KS / 8];
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < KS / 8; i++) {
+        v[i] = load8_ps(x, x_bf16, at + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], abs));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < KS / QB; b++) { /* cvtps rounds to nearest even, as lrintf; |values| <= 127: no saturation */
+        __m256i i32[4];
+        for (int j = 0; j < 4; j++) i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[4 * b + j], id));
+        const __m256i w01 = _mm256_packs_epi32(i32[0], i32[1]), w23 = _mm256_packs_epi32(i32[2], i32[3]);
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order);
+        _mm_storeu_si128((__m128i *)(q + rows_k_at(nibbles, b, 0)), _mm256_castsi256_si128(bytes));
+        _mm_storeu_si128((__m128i *)(q + rows_k_at(nibbles, b, 1)), _mm256_extracti128_si256(bytes, 1));
+        const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+        sums[b] = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1)));
+    }
+    return amax;
+}
+#endif
+
+/* rows of x [M, K] -> int8 xq [M, K], one scale a 256 xd [M, K / 256], and per 32 the sums of xq, xb [M, K / 32].
+ * nibbles: each pair of 32-blocks (A, B) laid out as A 0-15, B 0-15, A 16-31, B 16-31, the order in which a 32-byte
+ * load of the two blocks' nibbles gives their weights (low nibbles, then high ones); NIBBLES_512: two pairs a 64-byte
+ * load (rows_k_at). Each value is lrintf(x * 127 / amax of its 256), in vectors. */
 static void quantize_rows_k(const void *x, int x_bf16, int64_t M, int64_t K, int nibbles, int8_t *xq, float *xd,
                             int32_t *xb) {
-    for (int64_t m = 0; m < M; m++) {
-        float row[KS];
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M; m++)
         for (int64_t s0 = 0; s0 < K; s0 += KS) {
-            const float *xm = (const float *)x + m * K + s0;
-            if (x_bf16) {
-                for (int i = 0; i < KS; i++) row[i] = bf16_f32(((const uint16_t *)x)[m * K + s0 + i]);
-                xm = row;
-            }
-            float amax = 0.f;
-            for (int i = 0; i < KS; i++) amax = fmaxf(amax, fabsf(xm[i]));
-            const float id = amax > 0.f ? 127.f / amax : 0.f;
+            const float amax = round_256(x, x_bf16, m * K + s0, nibbles, xq + m * K + s0, xb + m * (K / QB) + s0 / QB);
             xd[m * (K / KS) + s0 / KS] = amax / 127.f;
-            for (int b = 0; b < KS / QB; b++) {
-                int8_t q[QB];
-                int32_t sum = 0;
-                for (int i = 0; i < QB; i++) {
-                    q[i] = (int8_t)lrintf(xm[b * QB + i] * id);
-                    sum += q[i];
-                }
-                /* each half block (values i < 16, i >= 16) lies in 16 consecutive bytes. nibbles: block b = 2p + h,
-                 * value i at 64 p + 32 (i >= 16) + 16 h + i % 16; NIBBLES_512: at 128 (p / 2) + 64 (i >= 16) +
-                 * 32 (p % 2) + 16 h + i % 16 (two pairs a 64-byte load) */
-                for (int hi = 0; hi < 2; hi++) {
-                    const int p = b / 2, h = b % 2;
-                    const int at = nibbles == NIBBLES_512 ? 128 * (p / 2) + 64 * hi + 32 * (p % 2) + 16 * h
-                                   : nibbles          ? 64 * p + 32 * hi + 16 * h
-                                                      : b * QB + 16 * hi;
-                    memcpy(xq + m * K + s0 + at, q + 16 * hi, 16);
-                }
-                xb[m * (K / QB) + s0 / QB + b] = sum;
-            }
         }
-    }
 }
 
 /* shuffle control: int16 scale 2p of a vector in every int16 of the low lane, 2p + 1 in the high lane */
