@@ -30,6 +30,7 @@ from waferscale.engine.scheduler import ScheduledBatch, Scheduler
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import SpeculativeConfig
 from waferscale.engine.thread_governor import ThreadGovernor
+from waferscale.heap import keep_freed_heap
 from waferscale.models.loader import LoadedModel
 
 log = logging.getLogger("waferscale.engine")
@@ -53,6 +54,7 @@ class LLMEngine:
         kv_cache_dtype: str = "auto",
     ):
         self.loaded = loaded
+        keep_freed_heap()  # a step's buffers reuse what the last step freed (in a VM each new page costs microseconds)
         speculative = speculative or SpeculativeConfig()
         if (speculative.method == "draft") != (draft is not None):
             raise ValueError("a draft model goes with speculative method draft, and only with it")
