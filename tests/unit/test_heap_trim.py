@@ -3,11 +3,15 @@ TRIM_INTERVAL seconds: a server busy for weeks must not keep the heap's high-wat
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 
+import torch
+
 from waferscale.engine import async_engine
 from waferscale.engine.async_engine import AsyncEngine
+from waferscale.heap import keep_freed_heap
 
 
 class EndlessWork:
@@ -67,10 +71,6 @@ def test_starting_the_engine_freezes_what_is_loaded():
 
 def _faults_of_steps(steps: int) -> int:
     """Page faults of `steps` rounds that each allocate, fill and free six 8 MiB buffers, as a prefill step does."""
-    import resource
-
-    import torch
-
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(steps):
         buffers = [torch.empty(8 << 20, dtype=torch.uint8).fill_(1) for _ in range(6)]
@@ -81,11 +81,6 @@ def _faults_of_steps(steps: int) -> int:
 def test_a_steps_buffers_reuse_the_memory_the_last_step_freed():
     """With glibc's defaults each round faults its 48 MiB in again (the freed heap top is trimmed: about 12,000
     pages a round); kept, once the heap has settled (a round or two after the first) the rounds fault nothing."""
-    from waferscale.heap import keep_freed_heap
-
-    if not keep_freed_heap():
-        import pytest
-
-        pytest.skip("not glibc")
+    assert keep_freed_heap()  # glibc took both settings
     _faults_of_steps(3)
     assert _faults_of_steps(10) < 1000
