@@ -132,6 +132,24 @@ static inline int64_t slot_next(slot_walk_t *w) {
     return w->base + w->off++;
 }
 
+/* Positions ahead of the one being read whose kv head the decode kernels prefetch: a head is only part of its
+ * slot's row, and a sequence's pages lie anywhere in the pool, so the hardware prefetchers did not keep up */
+#define ATT_PREFETCH 32
+
+/* A walk ATT_PREFETCH positions ahead of one starting at pos0 that reads n positions (none when n is shorter) */
+static inline slot_walk_t slot_walk_ahead(const int64_t *table, int64_t pos0, int64_t n, int64_t block_size) {
+    return slot_walk(table, pos0 + (n > ATT_PREFETCH ? ATT_PREFETCH : 0), block_size);
+}
+
+/* Prefetch the D values of kv head g of a slot in a cache of any format, and an int8 cache's scales of them */
+static inline void prefetch_head(const void *cache, int fmt, const float *scales, int64_t slot, int64_t KVH,
+                                 int64_t g, int64_t D) {
+    const int64_t size = fmt == KV_I8 ? 1 : fmt == KV_BF16 ? 2 : 4;
+    const char *p = (const char *)cache + (slot * KVH + g) * D * size;
+    for (int64_t o = 0; o < D * size; o += 64) __builtin_prefetch(p + o);
+    if (fmt == KV_I8) __builtin_prefetch(scales + (slot * KVH + g) * (D / kv_group(D)));
+}
+
 /* scores[h, t] = q_h . k_t * scale for the n positions pos0 .. pos0 + n - 1 of a sequence (k_t the row of h's kv
  * head; row: a scratch row of KVH * D floats). An int8 cache is read as it is stored: q . k_int8 over each group of
  * channels times that group's scale. */
@@ -223,10 +241,19 @@ typedef int8_t vb __attribute__((vector_size(VL)));
 static inline vf loadv(const void *cache, int fmt, int64_t at) {
     vf x;
     if (fmt == KV_BF16) {
+        const uint16_t *src = (const uint16_t *)cache + at;
+#if VL == 16 /* one widening load (GCC splits __builtin_convertvector's into halves and re-joins them) */
+        const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16);
+        memcpy(&x, &u, sizeof x);
+#elif defined(WS_AVX2)
+        const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16);
+        memcpy(&x, &u, sizeof x);
+#else
         vh h;
-        memcpy(&h, (const uint16_t *)cache + at, sizeof h);
+        memcpy(&h, src, sizeof h);
         const vu u = __builtin_convertvector(h, vu) << 16;
         memcpy(&x, &u, sizeof x);
+#endif
     } else if (fmt == KV_I8) {
         vb b;
         memcpy(&b, (const int8_t *)cache + at, sizeof b);
@@ -338,31 +365,55 @@ static inline vf hsum8x8(const vf *v) {
 
 #define ATT_MAX_GROUP 16 /* query heads per kv head that att_values_grouped keeps in registers */
 
-/* att_values for D a multiple of 16 and at most ATT_MAX_GROUP query heads a kv head: VL channels of one kv head at
- * a time, the sums of its query heads kept in registers over every position (not loaded and stored per position);
- * acc is set, not added to. The same products summed in the same order as att_values. */
+/* Vectors of channels att_values_grouped_fmt takes a pass for a group of G query heads: G x that many sums held in
+ * registers (AVX-512 has 32, AVX2 16, a few kept for the row and weights), so that a pass reads more of each row
+ * and fewer passes walk the positions */
+#define ATT_VALUE_REGS (VL == 16 ? 24 : 12)
+#define ATT_VALUE_VECS(G) ((G) * 4 <= ATT_VALUE_REGS ? 4 : (G) * 2 <= ATT_VALUE_REGS ? 2 : 1)
+
+/* NV vectors of channels c .. c + NV * VL - 1 of kv head g over every position, the sums of its G query heads kept
+ * in registers; acc is set, not added to */
+static inline __attribute__((always_inline)) void att_values_pass(const float *p, const void *v_cache, int fmt,
+                                                                   const float *v_scale, const int64_t *table,
+                                                                   int64_t pos0, int64_t n, int64_t G, int64_t NV,
+                                                                   int64_t KVH, int64_t g, int64_t c, int64_t D,
+                                                                   int64_t block_size, float *acc) {
+    const int64_t row_len = KVH * D, qg = kv_group(D), ng = D / qg;
+    vf a[ATT_MAX_GROUP][4];
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t k = 0; k < NV; k++) a[h][k] = (vf){0};
+    slot_walk_t walk = slot_walk(table, pos0, block_size), ahead = slot_walk_ahead(table, pos0, n, block_size);
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t slot = slot_next(&walk);
+        if (c == 0 && t + ATT_PREFETCH < n) prefetch_head(v_cache, fmt, v_scale, slot_next(&ahead), KVH, g, D);
+        /* one scale for the pass: NV * VL channels (16-64) lie within one scale group (64 channels, or the head) */
+        const float s = fmt == KV_I8 ? v_scale[(slot * KVH + g) * ng + c / qg] : 1.f;
+        float w[ATT_MAX_GROUP];
+        for (int64_t h = 0; h < G; h++) w[h] = fmt == KV_I8 ? p[(g * G + h) * n + t] * s : p[(g * G + h) * n + t];
+        for (int64_t k = 0; k < NV; k++) {
+            const vf x = loadv(v_cache, fmt, slot * row_len + g * D + c + k * VL);
+            for (int64_t h = 0; h < G; h++) a[h][k] += w[h] * x;
+        }
+    }
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t k = 0; k < NV; k++) memcpy(acc + (g * G + h) * D + c + k * VL, &a[h][k], sizeof a[h][k]);
+}
+
+/* att_values for D a multiple of 16 and at most ATT_MAX_GROUP query heads a kv head: ATT_VALUE_VECS(G) vectors of
+ * channels of one kv head at a time, the sums of its query heads kept in registers over every position (not loaded
+ * and stored per position); acc is set, not added to. The same products summed in the same order as att_values. */
 static inline __attribute__((always_inline)) void att_values_grouped_fmt(const float *p, const void *v_cache,
                                                                           int fmt, const float *v_scale,
                                const int64_t *table, int64_t pos0, int64_t n, int64_t G, int64_t KVH, int64_t g0,
                                int64_t g1, int64_t D, int64_t block_size, float *acc) {
-    const int64_t row_len = KVH * D, qg = kv_group(D), ng = D / qg;
-    for (int64_t g = g0; g < g1; g++)
-        for (int64_t c = 0; c < D; c += VL) {
-            vf a[ATT_MAX_GROUP];
-            for (int64_t h = 0; h < G; h++) a[h] = (vf){0};
-            const int64_t j = c / qg;
-            slot_walk_t walk = slot_walk(table, pos0, block_size);
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t slot = slot_next(&walk);
-                const vf x = loadv(v_cache, fmt, slot * row_len + g * D + c);
-                const float s = fmt == KV_I8 ? v_scale[(slot * KVH + g) * ng + j] : 1.f;
-                for (int64_t h = 0; h < G; h++) {
-                    const float w = fmt == KV_I8 ? p[(g * G + h) * n + t] * s : p[(g * G + h) * n + t];
-                    a[h] += w * x;
-                }
-            }
-            for (int64_t h = 0; h < G; h++) memcpy(acc + (g * G + h) * D + c, &a[h], sizeof a[h]);
-        }
+    const int64_t NV = ATT_VALUE_VECS(G);
+    for (int64_t g = g0; g < g1; g++) {
+        int64_t c = 0;
+        for (; c + NV * VL <= D; c += NV * VL)
+            att_values_pass(p, v_cache, fmt, v_scale, table, pos0, n, G, NV, KVH, g, c, D, block_size, acc);
+        for (; c < D; c += VL)
+            att_values_pass(p, v_cache, fmt, v_scale, table, pos0, n, G, 1, KVH, g, c, D, block_size, acc);
+    }
 }
 
 /* att_values_grouped_fmt compiled per cache format and group size, for kv heads g0 .. g1 - 1 */
@@ -391,11 +442,14 @@ static inline __attribute__((always_inline)) void att_scores_grouped_fmt(const f
     /* VL positions at a time: their products per head summed across lanes together (HSUM_VL), not one hsum each */
     for (int64_t g = g0; g < g1; g++) {
         const float *qgp = qb + g * G * D;
-        slot_walk_t walk = slot_walk(table, pos0, block_size);
+        slot_walk_t walk = slot_walk(table, pos0, block_size), ahead = slot_walk_ahead(table, pos0, n, block_size);
         for (int64_t t0 = 0; t0 < n; t0 += VL) {
             const int64_t nt = n - t0 < VL ? n - t0 : VL;
             int64_t slots[VL];
-            for (int64_t i = 0; i < nt; i++) slots[i] = slot_next(&walk);
+            for (int64_t i = 0; i < nt; i++) {
+                slots[i] = slot_next(&walk);
+                if (t0 + i + ATT_PREFETCH < n) prefetch_head(k_cache, fmt, k_scale, slot_next(&ahead), KVH, g, D);
+            }
             vf tot[ATT_MAX_GROUP];
             for (int64_t h = 0; h < G; h++) tot[h] = (vf){0};
             for (int64_t j = 0; j < ng; j++) {
