@@ -872,7 +872,7 @@ static inline int rows_k_at(int nibbles, int b, int hi) {
                               : b * QB + 16 * hi;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 static inline __m512 load16_ps(const void *x, int x_bf16, int64_t at) {
     if (!x_bf16) return _mm512_loadu_ps((const float *)x + at);
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at));
@@ -1494,11 +1494,65 @@ static inline __attribute__((always_inline)) void i16b_pass(const int16_t *const
     for (int r = 0; r < 2; r++) c[r][0] = acc[r][0], c[r][1] = acc[r][1];
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#ifdef __AVX512VNNI__
+#define I16B_DPW(s, w, x) _mm512_dpwssd_epi32(s, w, x)
+#else
+#define I16B_DPW(s, w, x) _mm512_add_epi32(s, _mm512_madd_epi16(w, x))
+#endif
+/* i16b_pass for 16 input rows in 512-bit registers: a step's 2 values of the 16 rows are one load, and each weight
+ * pair meets them in one vpdpwssd (vpmaddwd + vpaddd without VNNI) where 256 bits took two loads, two vpmaddwd and
+ * two vpaddd; the same integer sums and the same float32 operations lane by lane, so the same bits */
+static inline __attribute__((always_inline)) void i16b_pass512(const int16_t *const wq[2], const float *const wsr[2],
+                                                               const float *const wmr[2], const i16b_in_t *in,
+                                                               int64_t g0, int64_t K, int64_t b0, int64_t b1,
+                                                               __m256 c[2][2]) {
+    const int64_t nb = K / QB;
+    __m512 acc[2];
+    for (int r = 0; r < 2; r++)
+        acc[r] = _mm512_insertf32x8(_mm512_castps256_ps512(c[r][0]), c[r][1], 1);
+    for (int64_t b = b0; b < b1; b++) {
+        const int16_t *xt = in->bt + g0 * K * 16 + b * QB * 16;
+        /* four sums a weight row (steps j mod 4), added at the end: eight chains of vpdpwssd in flight, not two
+         * (a chain is bound by the instruction's latency); integer sums, so the same totals */
+        __m512i p[2][4];
+        for (int r = 0; r < 2; r++)
+            for (int u = 0; u < 4; u++) p[r][u] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+        for (int j = 0; j < QB / 2; j++) {
+            const __m512i x = _mm512_load_si512((const void *)(xt + 32 * j)); /* rows 0-7 then 8-15, 2 values each */
+            for (int r = 0; r < 2; r++) {
+                int32_t w2;
+                memcpy(&w2, wq[r] + b * QB + 2 * j, 4);
+                p[r][j % 4] = I16B_DPW(p[r][j % 4], _mm512_set1_epi32(w2), x);
+            }
+        }
+        __m512i s[2];
+        for (int r = 0; r < 2; r++)
+            s[r] = _mm512_add_epi32(_mm512_add_epi32(p[r][0], p[r][1]), _mm512_add_epi32(p[r][2], p[r][3]));
+        const float *xs = in->xst + (g0 * nb + b) * 16, *xg = in->xgt + (g0 * nb + b) * 16;
+        const __m512 xsv = _mm512_loadu_ps(xs), xgv = _mm512_loadu_ps(xg);
+        for (int r = 0; r < 2; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(_mm512_set1_ps(wsr[r][b]), xsv), acc[r]);
+            if (wmr[r]) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(wmr[r][b]), xgv, acc[r]);
+        }
+    }
+    for (int r = 0; r < 2; r++) {
+        c[r][0] = _mm512_castps512_ps256(acc[r]);
+        c[r][1] = _mm512_extractf32x8_ps(acc[r], 1);
+    }
+}
+#endif
+
 /* the pass for 16 input rows, and for 8 or fewer (the group's second half left out) */
 static __attribute__((noinline)) void i16b_pass16(const int16_t *const wq[2], const float *const wsr[2],
                                                   const float *const wmr[2], const i16b_in_t *in, int64_t g0,
                                                   int64_t K, int64_t b0, int64_t b1, __m256 c[2][2]) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+    i16b_pass512(wq, wsr, wmr, in, g0, K, b0, b1, c);
+#else
     i16b_pass(wq, wsr, wmr, in, g0, K, b0, b1, c, 2);
+#endif
 }
 
 static __attribute__((noinline)) void i16b_pass8(const int16_t *const wq[2], const float *const wsr[2],
