@@ -1342,13 +1342,18 @@ static inline __attribute__((always_inline)) void row_i16(const uint8_t *w, cons
     /* a block's 32 weights widened to int16 in their order, one 512-bit register, met by x's 32 in one vpdpwssd
      * (vpmaddwd without VNNI): 16 pair sums, exact in int32, scaled once into 16 lanes (AVX2 takes two registers of
      * each, two vpmaddwd and an add). Every row the same operations: a row's sum is the same for 1 to 4 rows. */
-    __m512 acc5[4];
-    for (int m = 0; m < mt; m++) acc5[m] = _mm512_setzero_ps();
+    __m512 acc[4];
+    for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
+#else
+    __m256 acc[4];
+    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
+#endif
     for (int64_t c = 0; c < nb; c += 8) {
         const int64_t nblk = block_scales(ws, xs, nb, c, mt, 0, cs);
         for (int64_t j = 0; j < nblk; j++) {
             const int64_t kb = (c + j) * QB, at = (c + j) * BLOCK_BYTES(bits);
             if (j % 2 == 0) _mm_prefetch((const char *)(w + at + PF_AHEAD), _MM_HINT_T0);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
             __m512i wv;
             if (bits == 4) { /* byte i: weight i in its low nibble, i + 16 in its high one */
                 const __m128i raw = _mm_loadu_si128((const __m128i *)(w + at));
@@ -1364,19 +1369,9 @@ static inline __attribute__((always_inline)) void row_i16(const uint8_t *w, cons
 #else
                 const __m512i p = _mm512_madd_epi16(wv, xv);
 #endif
-                acc5[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(cs[m][j]), acc5[m]);
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(cs[m][j]), acc[m]);
             }
-        }
-    }
-    for (int m = 0; m < mt; m++) sums[m] = _mm512_reduce_add_ps(acc5[m]) + mins_dot(wm, xg + m * nb, nb);
 #else
-    __m256 acc[4];
-    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < nb; c += 8) {
-        const int64_t nblk = block_scales(ws, xs, nb, c, mt, 0, cs);
-        for (int64_t j = 0; j < nblk; j++) {
-            const int64_t kb = (c + j) * QB, at = (c + j) * BLOCK_BYTES(bits);
-            if (j % 2 == 0) _mm_prefetch((const char *)(w + at + PF_AHEAD), _MM_HINT_T0);
             __m256i lo, hi;
             if (bits == 4) { /* byte i: weight i in its low nibble, i + 16 in its high one */
                 const __m128i raw = _mm_loadu_si128((const __m128i *)(w + at));
@@ -1393,8 +1388,12 @@ static inline __attribute__((always_inline)) void row_i16(const uint8_t *w, cons
                                                    _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 16))));
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&cs[m][j]), acc[m]);
             }
+#endif
         }
     }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (int m = 0; m < mt; m++) sums[m] = _mm512_reduce_add_ps(acc[m]) + mins_dot(wm, xg + m * nb, nb);
+#else
     for (int m = 0; m < mt; m++) sums[m] = hsum(acc[m]) + mins_dot(wm, xg + m * nb, nb);
 #endif
 }
