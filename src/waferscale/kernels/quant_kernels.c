@@ -1576,6 +1576,56 @@ static inline __attribute__((always_inline)) void i16b_pass512(const int16_t *co
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define I16B_WIDE 1 /* gemm_i16b takes 32 input rows x 4 weight rows a pass where the batch has 32 rows */
+/* i16b_pass512 for 4 weight rows against two groups of 16 input rows (g0 and g0 + 1): each x load feeds 4 vpdpwssd and
+ * each weight pair broadcast 2, where 2 weight rows x 16 input rows fed 2 and 1 (bound by the loads); sixteen chains
+ * in flight (two sums a row and group, steps j mod 2). The same integer sums and float32 operations lane by lane as
+ * i16b_pass512, so the same bits. c[r][h]: weight row r's sums for the groups' halves h (0-1 group g0, 2-3 g0 + 1) */
+static __attribute__((noinline)) void i16b_pass32(const int16_t *const wq[4], const float *const wsr[4],
+                                                  const float *const wmr[4], const i16b_in_t *in, int64_t g0,
+                                                  int64_t K, int64_t b0, int64_t b1, __m256 c[4][4]) {
+    const int64_t nb = K / QB;
+    __m512 acc[4][2];
+    for (int r = 0; r < 4; r++)
+        for (int g = 0; g < 2; g++)
+            acc[r][g] = _mm512_insertf32x8(_mm512_castps256_ps512(c[r][2 * g]), c[r][2 * g + 1], 1);
+    for (int64_t b = b0; b < b1; b++) {
+        const int16_t *xt0 = in->bt + g0 * K * 16 + b * QB * 16, *xt1 = xt0 + K * 16;
+        __m512i p[4][2][2];
+        for (int r = 0; r < 4; r++)
+            for (int g = 0; g < 2; g++) p[r][g][0] = p[r][g][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+        for (int j = 0; j < QB / 2; j++) {
+            const __m512i x0 = _mm512_load_si512((const void *)(xt0 + 32 * j));
+            const __m512i x1 = _mm512_load_si512((const void *)(xt1 + 32 * j));
+            for (int r = 0; r < 4; r++) {
+                int32_t w2;
+                memcpy(&w2, wq[r] + b * QB + 2 * j, 4);
+                const __m512i wb = _mm512_set1_epi32(w2);
+                p[r][0][j % 2] = I16B_DPW(p[r][0][j % 2], wb, x0);
+                p[r][1][j % 2] = I16B_DPW(p[r][1][j % 2], wb, x1);
+            }
+        }
+        for (int g = 0; g < 2; g++) {
+            const float *xs = in->xst + ((g0 + g) * nb + b) * 16, *xg = in->xgt + ((g0 + g) * nb + b) * 16;
+            const __m512 xsv = _mm512_loadu_ps(xs), xgv = _mm512_loadu_ps(xg);
+            for (int r = 0; r < 4; r++) {
+                const __m512i sum = _mm512_add_epi32(p[r][g][0], p[r][g][1]);
+                acc[r][g] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(wsr[r][b]), xsv), acc[r][g]);
+                if (wmr[r]) acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(wmr[r][b]), xgv, acc[r][g]);
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int g = 0; g < 2; g++) {
+            c[r][2 * g] = _mm512_castps512_ps256(acc[r][g]);
+            c[r][2 * g + 1] = _mm512_extractf32x8_ps(acc[r][g], 1);
+        }
+}
+#endif
+
 /* the pass for 16 input rows, and for 8 or fewer (the group's second half left out) */
 static __attribute__((noinline)) void i16b_pass16(const int16_t *const wq[2], const float *const wsr[2],
                                                   const float *const wmr[2], const i16b_in_t *in, int64_t g0,
@@ -1631,7 +1681,35 @@ static void gemm_i16b(const void *x, int x_bf16, int64_t M, int64_t K, const uin
                     _mm256_store_si256((__m256i *)(wide + i * K + b * QB + 16), hi);
                 }
             }
-            for (int64_t g0 = 0; g0 < mg; g0++) {
+            int64_t g0 = 0;
+#ifdef I16B_WIDE
+            for (; g0 + 1 < mg; g0 += 2) { /* two groups of 16 input rows at a time */
+                __m256 cc[16][4];
+                for (int i = 0; i < 16; i++) cc[i][0] = cc[i][1] = cc[i][2] = cc[i][3] = _mm256_setzero_ps();
+                for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+                    const int64_t b1 = b0 + 8 < nb ? b0 + 8 : nb;
+                    for (int r0 = 0; r0 < 16; r0 += 4) {
+                        const int16_t *wq[4];
+                        const float *wsr[4], *wmr[4];
+                        for (int r = 0; r < 4; r++) {
+                            wq[r] = wide + (r0 + r) * K;
+                            wsr[r] = wsf + (r0 + r) * nb;
+                            wmr[r] = mins ? wmf + (r0 + r) * nb : NULL;
+                        }
+                        i16b_pass32(wq, wsr, wmr, &in, g0, K, b0, b1, cc + r0);
+                    }
+                }
+                for (int g = 0; g < 2; g++) {
+                    float v[16][16] __attribute__((aligned(32)));
+                    for (int i = 0; i < 16; i++)
+                        _mm256_store_ps(v[i], cc[i][2 * g]), _mm256_store_ps(v[i] + 8, cc[i][2 * g + 1]);
+                    const int64_t m0 = 16 * (g0 + g);
+                    put16((const float(*)[16])v, M - m0 < 16 ? M - m0 : 16, nr, m0, n0, bias, res, out, out_bf16,
+                          ldo);
+                }
+            }
+#endif
+            for (; g0 < mg; g0++) {
                 for (int i = 0; i < 16; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
                 for (int64_t b0 = 0; b0 < nb; b0 += 8) { /* 256 values of the 16 rows' x at a time: 16 KiB */
                     const int64_t b1 = b0 + 8 < nb ? b0 + 8 : nb;
