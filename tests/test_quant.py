@@ -241,6 +241,22 @@ def test_integer_kernel_matches_float_reference(kind):
 
 
 @needs_native
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1"])
+def test_large_int16_batches_give_each_row_what_a_small_batch_gives(kind):
+    """Batches of 32 rows and more of the one-level blocks with mins take two groups of 16 rows a pass (gemm_i16b
+    with AVX-512): a row gets the bits it gets among PANEL_ROWS rows, whichever group and lane it lands in."""
+    n, k, rows = 40, 512, 70
+    w = from_gguf(random_blocks(kind, n, k, seed=3), kind, n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
+    y = torch.empty(rows, n)
+    native.qgemm(x, w, y, act=AUTO)
+    for r in (0, 15, 16, 31, 32, 47, 63, 64):
+        few = torch.empty(PANEL_ROWS, n)
+        native.qgemm(x[r : r + PANEL_ROWS].contiguous(), w, few, act=AUTO)
+        assert torch.equal(few[0], y[r])
+
+
+@needs_native
 @pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 16, 33])
 @pytest.mark.parametrize("act", [FLOAT32, INT8, AUTO])
