@@ -42,6 +42,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(WS_PORTABLE)
 #include <immintrin.h>
 #define WQ_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define WQ_512 1 /* 512-bit paths: quantize_rows_k's rounding, gemm_i16's blocks, gemm_i16b's passes */
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define WQ_TILES 1 /* batches on int8 vectors with AVX-512 VNNI (gemm_vnni), the AMX tiles' counterpart */
 #endif
@@ -872,7 +875,7 @@ static inline int rows_k_at(int nibbles, int b, int hi) {
                               : b * QB + 16 * hi;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#ifdef WQ_512
 static inline __m512 load16_ps(const void *x, int x_bf16, int64_t at) {
     if (!x_bf16) return _mm512_loadu_ps((const float *)x + at);
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at));
@@ -1338,7 +1341,7 @@ static inline __attribute__((always_inline)) void row_i16(const uint8_t *w, cons
     const int64_t nb = K / QB;
     const __m128i m4 = _mm_set1_epi8(0x0F);
     float cs[4][8];
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef WQ_512
     /* a block's 32 weights widened to int16 in their order, one 512-bit register, met by x's 32 in one vpdpwssd
      * (vpmaddwd without VNNI): 16 pair sums, exact in int32, scaled once into 16 lanes (AVX2 takes two registers of
      * each, two vpmaddwd and an add). Every row the same operations: a row's sum is the same for 1 to 4 rows. */
@@ -1353,7 +1356,7 @@ static inline __attribute__((always_inline)) void row_i16(const uint8_t *w, cons
         for (int64_t j = 0; j < nblk; j++) {
             const int64_t kb = (c + j) * QB, at = (c + j) * BLOCK_BYTES(bits);
             if (j % 2 == 0) _mm_prefetch((const char *)(w + at + PF_AHEAD), _MM_HINT_T0);
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef WQ_512
             __m512i wv;
             if (bits == 4) { /* byte i: weight i in its low nibble, i + 16 in its high one */
                 const __m128i raw = _mm_loadu_si128((const __m128i *)(w + at));
@@ -1391,7 +1394,7 @@ static inline __attribute__((always_inline)) void row_i16(const uint8_t *w, cons
 #endif
         }
     }
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef WQ_512
     for (int m = 0; m < mt; m++) sums[m] = _mm512_reduce_add_ps(acc[m]) + mins_dot(wm, xg + m * nb, nb);
 #else
     for (int m = 0; m < mt; m++) sums[m] = hsum(acc[m]) + mins_dot(wm, xg + m * nb, nb);
@@ -1526,103 +1529,70 @@ static inline __attribute__((always_inline)) void i16b_pass(const int16_t *const
     for (int r = 0; r < 2; r++) c[r][0] = acc[r][0], c[r][1] = acc[r][1];
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#ifdef WQ_512
 #ifdef __AVX512VNNI__
 #define I16B_DPW(s, w, x) _mm512_dpwssd_epi32(s, w, x)
 #else
 #define I16B_DPW(s, w, x) _mm512_add_epi32(s, _mm512_madd_epi16(w, x))
 #endif
-/* i16b_pass for 16 input rows in 512-bit registers: a step's 2 values of the 16 rows are one load, and each weight
- * pair meets them in one vpdpwssd (vpmaddwd + vpaddd without VNNI) where 256 bits took two loads, two vpmaddwd and
- * two vpaddd; the same integer sums and the same float32 operations lane by lane, so the same bits */
-static inline __attribute__((always_inline)) void i16b_pass512(const int16_t *const wq[2], const float *const wsr[2],
-                                                               const float *const wmr[2], const i16b_in_t *in,
-                                                               int64_t g0, int64_t K, int64_t b0, int64_t b1,
-                                                               __m256 c[2][2]) {
-    const int64_t nb = K / QB;
-    __m512 acc[2];
-    for (int r = 0; r < 2; r++)
-        acc[r] = _mm512_insertf32x8(_mm512_castps256_ps512(c[r][0]), c[r][1], 1);
-    for (int64_t b = b0; b < b1; b++) {
-        const int16_t *xt = in->bt + g0 * K * 16 + b * QB * 16;
-        /* four sums a weight row (steps j mod 4), added at the end: eight chains of vpdpwssd in flight, not two
-         * (a chain is bound by the instruction's latency); integer sums, so the same totals */
-        __m512i p[2][4];
-        for (int r = 0; r < 2; r++)
-            for (int u = 0; u < 4; u++) p[r][u] = _mm512_setzero_si512();
-#pragma GCC unroll 16
-        for (int j = 0; j < QB / 2; j++) {
-            const __m512i x = _mm512_load_si512((const void *)(xt + 32 * j)); /* rows 0-7 then 8-15, 2 values each */
-            for (int r = 0; r < 2; r++) {
-                int32_t w2;
-                memcpy(&w2, wq[r] + b * QB + 2 * j, 4);
-                p[r][j % 4] = I16B_DPW(p[r][j % 4], _mm512_set1_epi32(w2), x);
-            }
-        }
-        __m512i s[2];
-        for (int r = 0; r < 2; r++)
-            s[r] = _mm512_add_epi32(_mm512_add_epi32(p[r][0], p[r][1]), _mm512_add_epi32(p[r][2], p[r][3]));
-        const float *xs = in->xst + (g0 * nb + b) * 16, *xg = in->xgt + (g0 * nb + b) * 16;
-        const __m512 xsv = _mm512_loadu_ps(xs), xgv = _mm512_loadu_ps(xg);
-        for (int r = 0; r < 2; r++) {
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(_mm512_set1_ps(wsr[r][b]), xsv), acc[r]);
-            if (wmr[r]) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(wmr[r][b]), xgv, acc[r]);
-        }
-    }
-    for (int r = 0; r < 2; r++) {
-        c[r][0] = _mm512_castps512_ps256(acc[r]);
-        c[r][1] = _mm512_extractf32x8_ps(acc[r], 1);
-    }
-}
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-#define I16B_WIDE 1 /* gemm_i16b takes 32 input rows x 4 weight rows a pass where the batch has 32 rows */
-/* i16b_pass512 for 4 weight rows against two groups of 16 input rows (g0 and g0 + 1): each x load feeds 4 vpdpwssd and
- * each weight pair broadcast 2, where 2 weight rows x 16 input rows fed 2 and 1 (bound by the loads); sixteen chains
- * in flight (two sums a row and group, steps j mod 2). The same integer sums and float32 operations lane by lane as
- * i16b_pass512, so the same bits. c[r][h]: weight row r's sums for the groups' halves h (0-1 group g0, 2-3 g0 + 1) */
-static __attribute__((noinline)) void i16b_pass32(const int16_t *const wq[4], const float *const wsr[4],
-                                                  const float *const wmr[4], const i16b_in_t *in, int64_t g0,
-                                                  int64_t K, int64_t b0, int64_t b1, __m256 c[4][4]) {
+/* i16b_pass in 512-bit registers, for R weight rows against NG groups of 16 input rows (g0 ..): a step's 2 values of
+ * a group's 16 rows are one load, and each weight pair meets them in one vpdpwssd (vpmaddwd + vpaddd without VNNI),
+ * where 256 bits took two loads, two vpmaddwd and two vpaddd. Each x load feeds R vpdpwssd and each broadcast NG: 2 x
+ * 1 is bound by its loads, so batches of 32 rows and more take 4 x 2. U sums a row and group (steps j mod U), added
+ * at the end, keep R x NG x U chains in flight (a chain is bound by the instruction's latency); integer sums, so
+ * the same totals, then the same float32 operations lane by lane whatever R, NG and U: the same bits.
+ * c[r * 2 NG + 2 g + half]: weight row r's sums for group g's halves. */
+static inline __attribute__((always_inline)) void i16b_pass_wide(const int16_t *const *wq, const float *const *wsr,
+                                                                 const float *const *wmr, const i16b_in_t *in,
+                                                                 int64_t g0, int64_t K, int64_t b0, int64_t b1,
+                                                                 __m256 *c, const int R, const int NG, const int U) {
     const int64_t nb = K / QB;
     __m512 acc[4][2];
-    for (int r = 0; r < 4; r++)
-        for (int g = 0; g < 2; g++)
-            acc[r][g] = _mm512_insertf32x8(_mm512_castps256_ps512(c[r][2 * g]), c[r][2 * g + 1], 1);
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < NG; g++)
+            acc[r][g] = _mm512_insertf32x8(_mm512_castps256_ps512(c[r * 2 * NG + 2 * g]), c[r * 2 * NG + 2 * g + 1], 1);
     for (int64_t b = b0; b < b1; b++) {
-        const int16_t *xt0 = in->bt + g0 * K * 16 + b * QB * 16, *xt1 = xt0 + K * 16;
-        __m512i p[4][2][2];
-        for (int r = 0; r < 4; r++)
-            for (int g = 0; g < 2; g++) p[r][g][0] = p[r][g][1] = _mm512_setzero_si512();
+        const int16_t *xt = in->bt + g0 * K * 16 + b * QB * 16;
+        __m512i p[4][2][4];
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < NG; g++)
+                for (int u = 0; u < U; u++) p[r][g][u] = _mm512_setzero_si512();
 #pragma GCC unroll 16
         for (int j = 0; j < QB / 2; j++) {
-            const __m512i x0 = _mm512_load_si512((const void *)(xt0 + 32 * j));
-            const __m512i x1 = _mm512_load_si512((const void *)(xt1 + 32 * j));
-            for (int r = 0; r < 4; r++) {
+            __m512i x[2];
+            for (int g = 0; g < NG; g++) /* rows 0-7 then 8-15 of group g0 + g, 2 values each */
+                x[g] = _mm512_load_si512((const void *)(xt + g * K * 16 + 32 * j));
+            for (int r = 0; r < R; r++) {
                 int32_t w2;
                 memcpy(&w2, wq[r] + b * QB + 2 * j, 4);
                 const __m512i wb = _mm512_set1_epi32(w2);
-                p[r][0][j % 2] = I16B_DPW(p[r][0][j % 2], wb, x0);
-                p[r][1][j % 2] = I16B_DPW(p[r][1][j % 2], wb, x1);
+                for (int g = 0; g < NG; g++) p[r][g][j % U] = I16B_DPW(p[r][g][j % U], wb, x[g]);
             }
         }
-        for (int g = 0; g < 2; g++) {
+        for (int g = 0; g < NG; g++) {
             const float *xs = in->xst + ((g0 + g) * nb + b) * 16, *xg = in->xgt + ((g0 + g) * nb + b) * 16;
             const __m512 xsv = _mm512_loadu_ps(xs), xgv = _mm512_loadu_ps(xg);
-            for (int r = 0; r < 4; r++) {
-                const __m512i sum = _mm512_add_epi32(p[r][g][0], p[r][g][1]);
+            for (int r = 0; r < R; r++) {
+                __m512i sum = p[r][g][0];
+                for (int u = 1; u < U; u++) sum = _mm512_add_epi32(sum, p[r][g][u]);
                 acc[r][g] =
                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(wsr[r][b]), xsv), acc[r][g]);
                 if (wmr[r]) acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(wmr[r][b]), xgv, acc[r][g]);
             }
         }
     }
-    for (int r = 0; r < 4; r++)
-        for (int g = 0; g < 2; g++) {
-            c[r][2 * g] = _mm512_castps512_ps256(acc[r][g]);
-            c[r][2 * g + 1] = _mm512_extractf32x8_ps(acc[r][g], 1);
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < NG; g++) {
+            c[r * 2 * NG + 2 * g] = _mm512_castps512_ps256(acc[r][g]);
+            c[r * 2 * NG + 2 * g + 1] = _mm512_extractf32x8_ps(acc[r][g], 1);
         }
+}
+
+/* 4 weight rows against the two groups g0 and g0 + 1 (gemm_i16b where the batch has 32 rows or more) */
+static __attribute__((noinline)) void i16b_pass32(const int16_t *const wq[4], const float *const wsr[4],
+                                                  const float *const wmr[4], const i16b_in_t *in, int64_t g0,
+                                                  int64_t K, int64_t b0, int64_t b1, __m256 c[4][4]) {
+    i16b_pass_wide(wq, wsr, wmr, in, g0, K, b0, b1, &c[0][0], 4, 2, 2);
 }
 #endif
 
@@ -1630,8 +1600,8 @@ static __attribute__((noinline)) void i16b_pass32(const int16_t *const wq[4], co
 static __attribute__((noinline)) void i16b_pass16(const int16_t *const wq[2], const float *const wsr[2],
                                                   const float *const wmr[2], const i16b_in_t *in, int64_t g0,
                                                   int64_t K, int64_t b0, int64_t b1, __m256 c[2][2]) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-    i16b_pass512(wq, wsr, wmr, in, g0, K, b0, b1, c);
+#ifdef WQ_512
+    i16b_pass_wide(wq, wsr, wmr, in, g0, K, b0, b1, &c[0][0], 2, 1, 4);
 #else
     i16b_pass(wq, wsr, wmr, in, g0, K, b0, b1, c, 2);
 #endif
@@ -1682,7 +1652,7 @@ static void gemm_i16b(const void *x, int x_bf16, int64_t M, int64_t K, const uin
                 }
             }
             int64_t g0 = 0;
-#ifdef I16B_WIDE
+#ifdef WQ_512
             for (; g0 + 1 < mg; g0 += 2) { /* two groups of 16 input rows at a time */
                 __m256 cc[16][4];
                 for (int i = 0; i < 16; i++) cc[i][0] = cc[i][1] = cc[i][2] = cc[i][3] = _mm256_setzero_ps();
