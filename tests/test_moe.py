@@ -488,6 +488,21 @@ def test_quantized_gguf_experts_load_from_their_blocks(tmp_path, monkeypatch, ki
     assert ((got - want).norm() / want.norm()) < 0.02
 
 
+def test_a_model_with_qwen3_30b_a3b_routing_prefills_1024_tokens_a_step_unless_told(tmp_path, hf_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from waferscale.engine import LLMEngine
+
+    cfg = _qwen3_moe_config(num_experts=128, num_experts_per_tok=8, hidden_size=16, head_dim=8,
+                            moe_intermediate_size=8, intermediate_size=16, num_hidden_layers=1, mlp_only_layers=[])
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path, safe_serialization=True)
+    hf_tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, dtype="float32", progress=False)
+    assert LLMEngine(loaded, kv_cache_bytes=1 << 20).scheduler.max_num_batched_tokens == 1024
+    told = LLMEngine(loaded, kv_cache_bytes=1 << 20, max_num_batched_tokens=256)
+    assert told.scheduler.max_num_batched_tokens == 256
+
+
 def test_a_model_that_does_not_fit_is_refused_before_loading(qwen3_moe, tmp_path, monkeypatch):
     """A folder, and a GGUF before its conversion, are refused with the memory their weights need."""
     from transformers import AutoModelForCausalLM

@@ -221,9 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=512,
+        default=None,
         metavar="N",
-        help="token budget of one forward step; long prompts are prefilled in chunks of at most this (default 512)",
+        help="token budget of one forward step; long prompts are prefilled in chunks of at most this (default 512; "
+        "a mixture of experts: 64 rows an expert, tokens x experts per token / experts, up to 2048)",
     )
     serve.add_argument(
         "--no-prefix-cache", action="store_true", help="do not reuse KV blocks of repeated prompt prefixes"

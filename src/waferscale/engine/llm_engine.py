@@ -26,7 +26,7 @@ from waferscale.engine.model_runner import ModelRunner
 from waferscale.engine.output_processor import OutputProcessor
 from waferscale.engine.outputs import GenerationEvent
 from waferscale.engine.params import BATCH_PRIORITY, SamplingParams
-from waferscale.engine.scheduler import ScheduledBatch, Scheduler
+from waferscale.engine.scheduler import ScheduledBatch, Scheduler, default_step_tokens
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import SpeculativeConfig
 from waferscale.engine.thread_governor import ThreadGovernor
@@ -45,7 +45,7 @@ class LLMEngine:
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         block_size: int = 16,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
+        max_num_batched_tokens: int | None = None,
         enable_prefix_cache: bool = True,
         queue_timeout: float | None = None,
         speculative: SpeculativeConfig | None = None,
@@ -64,6 +64,8 @@ class LLMEngine:
         self.eos_ids = [i for i in loaded.tokenizer.eos_token_ids if i < loaded.config.vocab_size]
         cfg = loaded.config
         kv_dtype, compute_dtype = kv_cache_dtypes(kv_cache_dtype, loaded.dtype)
+        if max_num_batched_tokens is None:  # the model's default: more tokens a step for a mixture of experts
+            max_num_batched_tokens = default_step_tokens(cfg.num_experts, cfg.num_experts_per_tok)
         self.block_size = block_size
         # decode attention reads the pool in place through the native kernel where it could be built
         self.native = kernels.load() if kv_dtype in (torch.float32, torch.bfloat16, torch.int8) else None

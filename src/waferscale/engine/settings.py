@@ -29,7 +29,7 @@ class EngineSettings:
     kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None  # None: the model's default (engine/scheduler.py's default_step_tokens)
     enable_prefix_cache: bool = True
     queue_timeout: float | None = 600.0
     speculative: str = "ngram"
@@ -71,7 +71,7 @@ class EngineSettings:
         if self.draft_kv_cache_memory is not None and self.draft_kv_cache_memory < 1:
             raise SettingsError(f"draft-kv-cache-memory must be at least 1, not {self.draft_kv_cache_memory}")
         for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise SettingsError(f"{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
             raise SettingsError(f"threads must be at least 1, not {self.threads}")
@@ -92,7 +92,7 @@ def settings_from_args(args) -> EngineSettings:
         kv_cache_memory=getattr(args, "kv_cache_memory", DEFAULT_KV_CACHE_BYTES),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         max_num_seqs=getattr(args, "max_num_seqs", 64),
-        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 512),
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         enable_prefix_cache=not getattr(args, "no_prefix_cache", False),
         queue_timeout=getattr(args, "queue_timeout", None),
         speculative=_speculative(args),
