@@ -1888,28 +1888,35 @@ static int gemm_vnni_serves(int bits, int sgn, int64_t G, int sfmt, const void *
 }
 
 /* 8 weight rows (wide: [rows][K] bytes, their scales wsf / mins wmf [rows][ng]) against one group of 16 input rows:
- * acc[r] (lanes: the input rows) = their sums over all nb blocks */
-static inline __attribute__((always_inline)) void vnni_rows8(const uint8_t *wide, int64_t K, int64_t nb, int64_t ng,
-                                                             const float *wsf, const float *wmf, const int8_t *bt,
-                                                             const float *xst, const float *xgt, const int32_t *c128,
-                                                             const int g16, __m512 acc[8]) {
+ * acc[r] (lanes: the input rows) = their sums over all nb blocks. A block's steps one at a time (x loaded once for
+ * the 8 rows, each row's 4 bytes broadcast as it is used), its halves in two sums a row (16 chains of vpdpbusd):
+ * GCC otherwise hoists the block's 64 broadcasts and spills them and the sums. Not inlined: both halves of a task's
+ * rows inlined together spilled too. */
+static __attribute__((noinline)) void vnni_rows8(const uint8_t *wide, int64_t K, int64_t nb, int64_t ng,
+                                                 const float *wsf, const float *wmf, const int8_t *bt,
+                                                 const float *xst, const float *xgt, const int32_t *c128,
+                                                 const int g16, __m512 acc[8]) {
     for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m512i xv[8];
-        for (int j = 0; j < 8; j++) xv[j] = _mm512_load_si512((const void *)(bt + b * 512 + 64 * j));
         const __m512 xsv = _mm512_loadu_ps(xst + b * 16);
         __m512i d[8], e[8];
 #pragma GCC unroll 8
         for (int r = 0; r < 8; r++) d[r] = e[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++)
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m512i xv = _mm512_load_si512((const void *)(bt + b * 512 + 64 * j));
+            __asm__("" : "+v"(xv));
 #pragma GCC unroll 8
             for (int r = 0; r < 8; r++) {
                 const int32_t *wr = (const int32_t *)(wide + r * K + b * QB);
-                d[r] = _mm512_dpbusd_epi32(d[r], _mm512_set1_epi32(wr[j]), xv[j]);
-                if (g16) e[r] = _mm512_dpbusd_epi32(e[r], _mm512_set1_epi32(wr[j + 4]), xv[j + 4]);
-                else d[r] = _mm512_dpbusd_epi32(d[r], _mm512_set1_epi32(wr[j + 4]), xv[j + 4]);
+                if (j < 4) d[r] = _mm512_dpbusd_epi32(d[r], _mm512_set1_epi32(wr[j]), xv);
+                else e[r] = _mm512_dpbusd_epi32(e[r], _mm512_set1_epi32(wr[j]), xv);
+                __asm__("" : "+v"(d[r]), "+v"(e[r]));
             }
+        }
+        if (!g16) /* one sum a block: exact in int32, so the same as summing its steps in one chain */
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) d[r] = _mm512_add_epi32(d[r], e[r]);
         if (c128) { /* signed weights: 128 x the block's (each half's) sum of x off */
             const __m512i c0 = _mm512_loadu_si512((const void *)(c128 + b * 32));
             const __m512i c1 = _mm512_loadu_si512((const void *)(c128 + b * 32 + 16));
