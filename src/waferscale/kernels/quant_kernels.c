@@ -2427,8 +2427,15 @@ static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                 }
                 widen_row(w + (n0 + i) * row_bytes, bits, sgn, K, NULL, plus32 ? 32 : 0, wide + i * K);
             }
+            /* the next task's rows asked for (into L2) a share before each group's passes, so that staging them
+             * does not wait on memory (a step's experts are read from memory once, a few groups of rows each) */
+            const int64_t next = N - n0 - 16 < 16 ? N - n0 - 16 : 16;
+            const uint8_t *ahead = w + (n0 + 16) * row_bytes;
+            const int64_t lines = next > 0 ? (next * row_bytes + 63) / 64 : 0, per_group = (lines + mg - 1) / mg;
             for (int64_t g0 = 0; g0 < mg; g0++) {
                 float v[16][16] __attribute__((aligned(64)));
+                for (int64_t l = g0 * per_group; l < lines && l < (g0 + 1) * per_group; l++)
+                    _mm_prefetch((const char *)(ahead + 64 * l), _MM_HINT_T1);
                 i8k_zero(c);
                 if (bits == 4) i8k_q4(wide, sci, mpi, dsup, msup, &in, g0, K, c);
                 else if (sgn) i8k_q6(wide, sci, NULL, dsup, NULL, &in, g0, K, c);
