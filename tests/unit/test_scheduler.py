@@ -8,7 +8,7 @@ from fakes import make_seq
 
 from waferscale.engine.block_manager import BlockManager
 from waferscale.engine.errors import ErrorKind
-from waferscale.engine.scheduler import Scheduler, default_step_tokens
+from waferscale.engine.scheduler import Scheduler
 
 
 def sched(num_blocks=9, block_size=4, **kw) -> Scheduler:
@@ -145,17 +145,3 @@ def test_hit_counters_count_one_admission_once_however_often_it_is_retried():
     until(s, lambda: b.admitted_once)
     assert (s.blocks.queries, s.blocks.hits) == (2 + 3 + 2, 2)  # a, the hog, b: each once
 
-
-def test_a_dense_model_steps_512_tokens_by_default():
-    assert default_step_tokens() == 512
-
-
-def test_a_mixture_of_experts_steps_enough_tokens_for_64_rows_an_expert():
-    assert default_step_tokens(128, 8) == 1024  # Qwen3-30B-A3B, Qwen3-235B-A22B
-    assert default_step_tokens(32, 4) == 512  # gpt-oss-20b: 512 x 4 / 32 = 64 already
-    assert default_step_tokens(8, 2) == 512  # never under the dense budget
-
-
-def test_a_mixture_of_experts_steps_at_most_2048_tokens_by_default():
-    assert default_step_tokens(128, 4) == 2048  # gpt-oss-120b
-    assert default_step_tokens(512, 10) == 2048  # Qwen3-Next's 512 experts, 10 a token

@@ -26,9 +26,10 @@ from waferscale.engine.model_runner import ModelRunner
 from waferscale.engine.output_processor import OutputProcessor
 from waferscale.engine.outputs import GenerationEvent
 from waferscale.engine.params import BATCH_PRIORITY, SamplingParams
-from waferscale.engine.scheduler import ScheduledBatch, Scheduler, default_step_tokens
+from waferscale.engine.scheduler import ScheduledBatch, Scheduler
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import SpeculativeConfig
+from waferscale.engine.step_budget import default_step_tokens
 from waferscale.engine.thread_governor import ThreadGovernor
 from waferscale.heap import keep_freed_heap
 from waferscale.models.loader import LoadedModel

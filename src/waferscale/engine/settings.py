@@ -29,7 +29,7 @@ class EngineSettings:
     kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: the model's default (engine/scheduler.py's default_step_tokens)
+    max_num_batched_tokens: int | None = None  # None: the model's default (engine/step_budget.py)
     enable_prefix_cache: bool = True
     queue_timeout: float | None = 600.0
     speculative: str = "ngram"
