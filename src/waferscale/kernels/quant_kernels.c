@@ -2049,30 +2049,30 @@ static inline __attribute__((always_inline)) void i8k512_pass(const uint8_t *con
                                                               const int16_t *const *sc, const int32_t *const *mp,
                                                               const float *dr, const float *mr, const float *xd,
                                                               const int16_t *xs, const int16_t *xs16, __m512 *c,
-                                                              const int R, const int g16) {
+                                                              const int g16) {
     const int per = g16 ? 16 : 8, js = g16 ? 4 : 8;
-    __m512i i32[8];
-    for (int r = 0; r < R; r++) i32[r] = _mm512_setzero_si512();
+    __m512i i32[4];
+    for (int r = 0; r < 4; r++) i32[r] = _mm512_setzero_si512();
     for (int g = 0; g < per; g++) {
-        __m512i q[8];
-        for (int r = 0; r < R; r++) q[r] = _mm512_setzero_si512();
+        __m512i q[4];
+        for (int r = 0; r < 4; r++) q[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int j = 0; j < js; j++) {
             const int k = g * js * 4 + 4 * j;
             __m512i x0 = _mm512_load_si512((const void *)(xt + 16 * k));
             __asm__("" : "+v"(x0));
-            for (int r = 0; r < R; r++) {
+            for (int r = 0; r < 4; r++) {
                 int32_t w4;
                 memcpy(&w4, wr[r] + k, 4);
                 q[r] = _mm512_dpbusd_epi32(q[r], _mm512_set1_epi32(w4), x0);
                 __asm__("" : "+v"(q[r]));
             }
         }
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < 4; r++)
             i32[r] = _mm512_add_epi32(i32[r], _mm512_mullo_epi32(q[r], _mm512_set1_epi32(sc[r][g])));
     }
     if (xs16) /* q staged + 32 (Q6_K): 32 x the scales' products with x's sums per 16 off */
-        for (int r = 0; r < R; r++) {
+        for (int r = 0; r < 4; r++) {
             __m512i t = _mm512_setzero_si512();
             for (int q = 0; q < per / 2; q++) {
                 int32_t pair;
@@ -2083,7 +2083,7 @@ static inline __attribute__((always_inline)) void i8k512_pass(const uint8_t *con
             i32[r] = _mm512_sub_epi32(i32[r], _mm512_slli_epi32(t, 5));
         }
     const __m512 dx = _mm512_loadu_ps(xd);
-    for (int r = 0; r < R; r++) {
+    for (int r = 0; r < 4; r++) {
         c[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32[r]), _mm512_mul_ps(_mm512_set1_ps(dr[r]), dx), c[r]);
         if (mp) {
             __m512i im = _mm512_setzero_si512();
@@ -2100,7 +2100,7 @@ static inline __attribute__((always_inline)) void i8k512_pass(const uint8_t *con
 #define I8K_R 4
 typedef __m512 i8k_acc_t;
 #define I8K_PASS(wr, xt, sc, mp, dr, mr, xd, xs, x16, c, G16, DEPTH) \
-    i8k512_pass(wr, xt, sc, mp, dr, mr, xd, xs, x16, c, I8K_R, G16)
+    i8k512_pass(wr, xt, sc, mp, dr, mr, xd, xs, x16, c, G16)
 static inline void i8k_zero(i8k_acc_t *c) {
     for (int i = 0; i < 16; i++) c[i] = _mm512_setzero_ps();
 }
