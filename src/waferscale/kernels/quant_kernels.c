@@ -959,10 +959,21 @@ static inline __m256i pair_scale_shuffle(int p) {
     return _mm256_set_m128i(b, a);
 }
 
+/* lane m of v in every lane */
+static inline __attribute__((always_inline)) __m256 lane256(__m128 v, int m) {
+    return m ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_set1_epi32(m)) : _mm256_broadcastss_ps(v);
+}
+
+/* a super-block's 8 integer mins (bytes) as float32 */
+static inline __attribute__((always_inline)) __m256 mins8(const uint8_t *b) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b)));
+}
+
 /* sums[m] = x_m . w for one weight row (two-level scales ws, mins wm) and mt (1..4) input rows; bits 4: x as
- * quantize_rows_k lays it out for nibbles */
+ * quantize_rows_k lays it out for nibbles. xd: the 4-row block's super-block scales, [K / 256][4] as gemm_k lays
+ * them out; xb: x's block sums as float32, [mt, K / 32] */
 static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const sc_t *ws, const sc_t *wm,
-                                                        const int8_t *xq, const float *xd, const int32_t *xb,
+                                                        const int8_t *xq, const float *xd, const float *xb,
                                                         int64_t K, float sums[4], const int mt, const int bits,
                                                         const int sgn, const int g16) {
     __m256 acc[4];
@@ -1011,19 +1022,18 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
                 }
             }
         }
-        const float d = ws->sup[sb];
-        /* the mins: their 8 integer products with x's block sums (exact in float32: |product| < 2^24) formed together
-         * and added to the products' lanes, scaled per super-block: no horizontal sum until the row's end */
-        const __m256i mv = wm->b ? _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wm->b + sb * 8)))
-                                 : _mm256_setzero_si256();
+        /* the super-block's scales for the mt rows at once (d x dx, dmin x dx: the scalar products, lane by lane);
+         * the mins: their 8 products with x's block sums (float32, exact: integers below 2^24) formed together and
+         * added to the products' lanes, scaled per super-block: no horizontal sum until the row's end */
+        const __m128 dx4 = _mm_loadu_ps(xd + sb * 4);
+        const __m128 dd = _mm_mul_ps(_mm_set1_ps(ws->sup[sb]), dx4);
+        const __m128 dm = wm->b ? _mm_mul_ps(_mm_set1_ps(wm->sup[sb]), dx4) : dd;
+        const __m256 mb = wm->b ? mins8(wm->b + sb * 8) : _mm256_setzero_ps();
         for (int m = 0; m < mt; m++) {
-            const float dx = xd[m * (K / KS) + sb];
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * dx), acc[m]);
-            if (wm->b) {
-                const __m256i gb = _mm256_loadu_si256((const __m256i *)(xb + m * (K / QB) + sb * 8));
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mv, gb)),
-                                         _mm256_set1_ps(wm->sup[sb] * dx), acc[m]);
-            }
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), lane256(dd, m), acc[m]);
+            if (wm->b)
+                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(mb, _mm256_loadu_ps(xb + m * (K / QB) + sb * 8)),
+                                         lane256(dm, m), acc[m]);
         }
     }
     for (int m = 0; m < mt; m++) sums[m] = hsum(acc[m]);
@@ -1054,13 +1064,28 @@ static inline __attribute__((always_inline)) __m512i blocks6_512(const uint8_t *
 #endif
 }
 
+/* lane m of v in every lane */
+static inline __attribute__((always_inline)) __m512 lane512(__m128 v, int m) {
+    return m ? _mm512_permutexvar_ps(_mm512_set1_epi32(m), _mm512_castps128_ps512(v)) : _mm512_broadcastss_ps(v);
+}
+
+/* acc + the pairwise products of int16 a and b summed in int32: vpdpwssd with VNNI where several rows' sums
+ * interleave (the same integers; one row's chain of them waits on its latency) */
+static inline __attribute__((always_inline)) __m512i madd_acc512(__m512i acc, __m512i a, __m512i b, const int mt) {
+#if defined(__AVX512VNNI__)
+    if (mt > 1) return _mm512_dpwssd_epi32(acc, a, b);
+#endif
+    (void)mt;
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+}
+
 /* row_k with 64-byte steps (AVX-512BW): half the instructions a weight. A step's products take their scales by one
  * permute of the super-block's integer scales: int16 lane l of the step's pair sums gets scale first + l / span.
  * 4-bit: two pairs of blocks a step (x as quantize_rows_k's NIBBLES_512 lays it out); 8-bit: two 32-blocks or four
- * 16-groups a step, signs moved onto x by a masked negation. The mins: their 8 integer products with x's block sums
- * formed together, scaled in float32 per super-block. Every row's result depends only on that row. */
+ * 16-groups a step, signs moved onto x by a masked negation. The mins: their 8 products with x's block sums (float32,
+ * exact) formed together, scaled per super-block. Every row's result depends only on that row. */
 static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, const sc_t *ws, const sc_t *wm,
-                                                           const int8_t *xq, const float *xd, const int32_t *xb,
+                                                           const int8_t *xq, const float *xd, const float *xb,
                                                            int64_t K, float sums[4], const int mt, const int bits,
                                                            const int sgn, const int g16) {
     __m512 acc[4];
@@ -1100,7 +1125,7 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
                     const __m512i a = _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void *)xp));
                     const __m512i b = _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void *)(xp + 64)));
                     /* a lane of a and of b: the same block, so the same scale; |a + b| <= 4 * 15 * 127 */
-                    isum[m] = _mm512_add_epi32(isum[m], _mm512_madd_epi16(_mm512_add_epi16(a, b), sc));
+                    isum[m] = madd_acc512(isum[m], _mm512_add_epi16(a, b), sc, mt);
                 }
             }
         } else {
@@ -1113,20 +1138,21 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
                 for (int m = 0; m < mt; m++) {
                     __m512i xv = _mm512_loadu_si512((const void *)(xq + m * K + k0 + 64 * c));
                     if (sgn) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-                    isum[m] = _mm512_add_epi32(isum[m], _mm512_madd_epi16(_mm512_maddubs_epi16(wu, xv), sc));
+                    isum[m] = madd_acc512(isum[m], _mm512_maddubs_epi16(wu, xv), sc, mt);
                 }
             }
         }
-        const float d = ws->sup[sb];
-        for (int m = 0; m < mt; m++) {
-            const float dx = xd[m * (K / KS) + sb];
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(d * dx), acc[m]);
-            if (wm->b) {
-                const __m256i mb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wm->b + sb * 8)));
-                const __m256i gb = _mm256_loadu_si256((const __m256i *)(xb + m * (K / QB) + sb * 8));
-                macc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mb, gb)),
-                                          _mm256_set1_ps(wm->sup[sb] * dx), macc[m]);
-            }
+        /* the super-block's scales for the mt rows at once (d x dx, dmin x dx: the scalar products, lane by lane) */
+        const __m128 dx4 = _mm_loadu_ps(xd + sb * 4);
+        const __m128 dd = _mm_mul_ps(_mm_set1_ps(ws->sup[sb]), dx4);
+        for (int m = 0; m < mt; m++)
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), lane512(dd, m), acc[m]);
+        if (wm->b) { /* the mins' products with the block sums, in float32 (exact: integers below 2^24) */
+            const __m128 dm = _mm_mul_ps(_mm_set1_ps(wm->sup[sb]), dx4);
+            const __m256 mb = mins8(wm->b + sb * 8);
+            for (int m = 0; m < mt; m++)
+                macc[m] = _mm256_fmadd_ps(_mm256_mul_ps(mb, _mm256_loadu_ps(xb + m * (K / QB) + sb * 8)),
+                                          lane256(dm, m), macc[m]);
         }
     }
     for (int m = 0; m < mt; m++) sums[m] = _mm512_reduce_add_ps(acc[m]) + (wm->b ? hsum(macc[m]) : 0.f);
@@ -1140,7 +1166,7 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
 
 #define KROWS_FN(B, S, G16)                                                                                       \
     static __attribute__((noinline)) void krows_##B##_##S##_##G16(                                                 \
-        const int8_t *xq, const float *xd, const int32_t *xb, int64_t M, int64_t K, const uint8_t *w,            \
+        const int8_t *xq, const float *xd, const float *xb, int64_t M, int64_t K, const uint8_t *w,              \
         int64_t row_bytes, const sc_t *ws, const sc_t *wm, int64_t ng, int64_t n0, int64_t n1, const float *bias, \
         const uint16_t *res, void *out, int out_bf16, int64_t ldo) {                                              \
         for (int64_t n = n0; n < n1; n++)                                                                         \
@@ -1150,7 +1176,7 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
                 const uint8_t *wn = w + n * row_bytes;                                                            \
                 const int8_t *xm = xq + m0 * K;                                                                   \
                 const float *dm = xd + m0 * (K / KS);                                                             \
-                const int32_t *bm = xb + m0 * (K / QB);                                                           \
+                const float *bm = xb + m0 * (K / QB);                                                             \
                 float sums[4];                                                                                    \
                 if (mt == 4) ROW_K(wn, &sr, &mr, xm, dm, bm, K, sums, 4, B, S, G16);                              \
                 else if (mt == 3) ROW_K(wn, &sr, &mr, xm, dm, bm, K, sums, 3, B, S, G16);                         \
@@ -1197,11 +1223,19 @@ static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
     float *xd = (float *)malloc((size_t)(M * (K / KS)) * sizeof(float));
     int32_t *xb = (int32_t *)malloc((size_t)(M * (K / QB)) * sizeof(int32_t));
     quantize_rows_k(x, x_bf16, M, K, bits == 4 ? NIBBLES : 0, xq, xd, xb);
+    /* as row_k reads them: each 4-row block's super-block scales side by side, the block sums as float32 */
+    const int64_t nsb = K / KS, nblk = K / QB;
+    float *xd4 = (float *)calloc((size_t)(((M + 3) / 4) * 4 * nsb), sizeof(float));
+    float *xbf = (float *)malloc((size_t)(M * nblk) * sizeof(float));
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t sb = 0; sb < nsb; sb++) xd4[(m / 4) * 4 * nsb + sb * 4 + m % 4] = xd[m * nsb + sb];
+        for (int64_t b = 0; b < nblk; b++) xbf[m * nblk + b] = (float)xb[m * nblk + b];
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n0 = 4 * g, n1 = n0 + 4 < N ? n0 + 4 : N;
-#define KROWS(B, S, G16) krows_##B##_##S##_##G16(xq, xd, xb, M, K, w, row_bytes, ws, wm, ng, n0, n1, bias, res, out, \
-                                                 out_bf16, ldo)
+#define KROWS(B, S, G16) krows_##B##_##S##_##G16(xq, xd4, xbf, M, K, w, row_bytes, ws, wm, ng, n0, n1, bias, res, \
+                                                 out, out_bf16, ldo)
         if (bits == 4) KROWS(4, 0, 0);
         else if (bits == 6) KROWS(6, 1, 1);
         else if (sgn) KROWS(8, 1, 1);
@@ -1211,6 +1245,8 @@ static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
     free(xq);
     free(xd);
     free(xb);
+    free(xd4);
+    free(xbf);
 }
 
 /* cs[m][j] = weight scale x row m's scale of blocks c .. c + 7 (fewer at the row's end) for mt input rows (xs: [mt,
