@@ -2,7 +2,7 @@
 peak RSS, and each single-stream figure beside its memory-bandwidth bound.
 
 Usage: .venv/bin/python scripts/bench_quant.py [--model-1b DIR] [--model-8b DIR] [--gguf FILE|gemma-3-270m ...]
-       [--servers a,b,...] [--quick] [--skip-llamacpp] [--cache-dir DIR] [--scenarios single,c8,c32]
+       [--servers a,b,...] [--quick] [--skip-llamacpp] [--cache-dir DIR] [--scenarios single,c8,c32] [--isa avx2]
 
 --model-1b / --model-8b: Hugging Face folders of random Llama-shaped models (make them with the shared
 make_random_model.py --preset 1b|8b --tokenizer .../tokenizer.json OUT). The built-in model is always measured.
@@ -10,7 +10,8 @@ make_random_model.py --preset 1b|8b --tokenizer .../tokenizer.json OUT). The bui
 served as it is by both servers (keys ws_<stem> and llama_<stem>).
 llama-server and llama-quantize are built from the llama-cpp-python sdist into --cache-dir (as
 scripts/bench_vs_llamacpp.py does), and the 1B folder is converted to BF16, Q8_0 and Q4_K_M GGUFs there. Servers
-run one at a time; both use 2 threads and the same KV memory (512 MiB).
+run one at a time; both use 2 threads and the same KV memory (512 MiB). --isa avx2 runs both as on an AVX2-only CPU
+(issue 37's machine kind) on a newer one: llama.cpp built with AVX2 only, waferscale's AVX2 kernels.
 """
 
 from __future__ import annotations
@@ -95,15 +96,35 @@ def hf_bytes(folder: Path, method: str) -> int:
     return int((n * per_layer + c["vocab_size"] * h) * METHOD_BPW[method])
 
 
-def llama_binary(cache: Path, target: str) -> Path:
-    """build/bin/<target> (llama-server, llama-quantize), built on first use."""
+# --isa avx2: both servers as on a CPU with AVX2 and no AVX-512 (issue 37's machine kind) on any newer x86 CPU.
+# llama.cpp in a build of its own with ggml's AVX2 paths only; waferscale with its AVX2 kernel build and PyTorch's
+# AVX2 kernels. The machine's memory and cores stay this one's: a stand-in for the kernels, not for the machine.
+AVX2_CMAKE = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=OFF",
+    *(f"-DGGML_{f}=ON" for f in ("AVX", "AVX2", "FMA", "F16C", "BMI2")),
+    *(f"-DGGML_{f}=OFF" for f in ("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI", "AMX_TILE")),
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+]
+WS_AVX2_ENV = ["WAFERSCALE_NATIVE_KERNELS=avx2", "ATEN_CPU_CAPABILITY=avx2"]
+
+
+def llama_binary(cache: Path, target: str, isa: str = "native") -> Path:
+    """build/bin/<target> (llama-server, llama-quantize), built on first use; isa avx2: build-avx2/bin/<target>."""
     src = base.llama_cpp_dir(cache)
-    binary = src / "build" / "bin" / target
+    build = "build" if isa == "native" else f"build-{isa}"
+    binary = src / build / "bin" / target
     if not binary.is_file():
-        base.llama_server_binary(cache)  # configures the build
+        if isa == "native":
+            base.llama_server_binary(cache)  # configures the build
+        elif not (src / build / "CMakeCache.txt").is_file():
+            base.run_logged(["cmake", "-B", build, *AVX2_CMAKE], cache / f"{build}.log", cwd=src)
         base.run_logged(
-            ["cmake", "--build", "build", "--target", target, f"-j{os.cpu_count() or 2}"],
-            cache / "build.log",
+            ["cmake", "--build", build, "--target", target, f"-j{os.cpu_count() or 2}"],
+            cache / ("build.log" if isa == "native" else f"{build}.log"),
             cwd=src,
         )
     return binary
@@ -138,13 +159,14 @@ def plan(args, cache: Path) -> list[tuple[str, base.Server, int]]:
     def wsrv(
         key: str, label: str, model: Path | None, q: str, scenarios=("single", "c8", "c32"), kv: int = KV_BYTES
     ) -> base.Server:
-        argv = [ws, "serve", "--served-model-name", base.MODEL_NAME, "--kv-cache-memory", str(kv)]
+        env = ["env", *WS_AVX2_ENV] if args.isa == "avx2" else []
+        argv = [*env, ws, "serve", "--served-model-name", base.MODEL_NAME, "--kv-cache-memory", str(kv)]
         argv += ["--quantization", q] + (["--model", str(model)] if model else []) + args.ws_arg
         return base.Server(key, label, argv, base.waferscale_fields, scenarios)
 
     def lsrv(key: str, label: str, model: Path, ctx: int) -> base.Server:
         argv = [
-            str(llama_binary(cache, "llama-server")),
+            str(llama_binary(cache, "llama-server", args.isa)),
             "-m",
             str(model),
             "-t",
@@ -158,16 +180,23 @@ def plan(args, cache: Path) -> list[tuple[str, base.Server, int]]:
         return base.Server(key, label, argv, base.llama_fields, ("single", "c8", "c32"))
 
     builtin = builtin_model_path()
+    # 32 slots of 512 tokens (issue 37's -c 16384), and waferscale's pool the bytes of that f16 cache: the same tokens
+    builtin_ctx = 32 * 512
+    builtin_kv = builtin_ctx * f16_kv_bytes_per_token(builtin)
     out = [
         (
             "built-in",
-            wsrv("ws_builtin_q", "waferscale Q4_1 blocks (auto)", None, "auto"),
+            wsrv("ws_builtin_q", "waferscale Q4_1 blocks (auto)", None, "auto", kv=builtin_kv),
             gguf_bytes(builtin, True),
         ),
-        ("built-in", wsrv("ws_builtin_bf16", "waferscale bf16", None, "none"), gguf_bf16_bytes(builtin)),
+        (
+            "built-in",
+            wsrv("ws_builtin_bf16", "waferscale bf16", None, "none", kv=builtin_kv),
+            gguf_bf16_bytes(builtin),
+        ),
     ]
     if not args.skip_llamacpp:
-        llama = lsrv("llama_builtin_q41", "llama-server Q4_1", builtin, 32 * 1280)
+        llama = lsrv("llama_builtin_q41", "llama-server Q4_1", builtin, builtin_ctx)
         out.append(("built-in", llama, gguf_bytes(builtin, False)))
     if args.model_1b:
         m = args.model_1b
@@ -205,8 +234,7 @@ def plan(args, cache: Path) -> list[tuple[str, base.Server, int]]:
         stem = path.stem.lower().replace("-", "_").replace(".", "_")
         label = path.stem
         # 32 slots of 512 tokens: room for c=32's 128 + 64 tokens; waferscale gets the bytes of llama.cpp's f16
-        # cache of that many tokens in every layer (llama.cpp allocates and clears it at start; waferscale's pool
-        # takes memory as its pages are first written)
+        # cache of that many tokens in every layer (both allocate and clear their caches at start)
         ctx = 32 * 512
         kv = ctx * f16_kv_bytes_per_token(path)
         out.append((label, wsrv(f"ws_{stem}", "waferscale (auto)", path, "auto", kv=kv), gguf_bytes(path, True)))
@@ -252,6 +280,13 @@ def main() -> None:
         help="one more argument for every waferscale serve (repeatable), e.g. --ws-arg=--speculative --ws-arg=none: "
         "the prompts are synthetic word cycles, on which the default n-gram speculation accepts much",
     )
+    ap.add_argument(
+        "--isa",
+        choices=("native", "avx2"),
+        default="native",
+        help="avx2: both servers restricted to AVX2 (llama.cpp built so, in build-avx2; waferscale's AVX2 kernels), "
+        "to stand in for an AVX2-only CPU on a newer one",
+    )
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "waferscale-bench")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument(
@@ -272,6 +307,8 @@ def main() -> None:
     scenarios = {k: v for k, v in (QUICK if args.quick else SCENARIOS).items() if k in args.scenarios.split(",")}
     bw = base.memory_bandwidth()
     print(f"memory read bandwidth {bw:.1f} GB/s; load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    if args.isa != "native":
+        print(f"both servers restricted to {args.isa} (--isa)", file=sys.stderr)
     for _, server, _ in runs:
         server.scenarios = tuple(k for k in server.scenarios if k in scenarios)
     results: dict[str, list[dict]] = {server.key: [] for _, server, _ in runs}
