@@ -2165,10 +2165,11 @@ static int gemm_i8v_serves(int bits, int sgn, int64_t G, int sfmt, const void *m
 /* weight rows wr[0..1] (a task's staged bytes, at the row's start; scales sr, mins mr) against the 8 H input rows
  * of a group (bt: its B-layout blocks, xs / xg: their scales and sums per block), all nb blocks: acc[r][h]. Each step
  * loads x once for both rows. i16: pairs summed in int16 over a whole block (2), a half (1) or a step (0) */
-static inline __attribute__((always_inline)) void i8v_pass(const int32_t *const wr[2], const float *const sr[2],
-                                                           const float *const mr[2], const int8_t *bt, const float *xs,
-                                                           const float *xg, int64_t nb, __m256 acc[2][2], const int H,
-                                                           const int sgn, const int i16, const int g16) {
+static inline __attribute__((always_inline)) void i8v_pass(const int32_t *const wr[2], const int32_t *const wa[2],
+                                                           const float *const sr[2], const float *const mr[2],
+                                                           const int8_t *bt, const float *xs, const float *xg,
+                                                           int64_t nb, __m256 acc[2][2], const int H, const int sgn,
+                                                           const int i16, const int g16) {
     const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 2
     for (int r = 0; r < 2; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -2194,10 +2195,10 @@ static inline __attribute__((always_inline)) void i8v_pass(const int32_t *const 
                 for (int r = 0; r < 2; r++) {
                     const __m256i wb = _mm256_set1_epi32(wr[r][b * 8 + j]);
                     __m256i p0, p1;
-                    if (sgn) {
-                        const __m256i wa = _mm256_abs_epi8(wb);
-                        p0 = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x0, wb));
-                        p1 = H == 2 ? _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x1, wb)) : p0;
+                    if (sgn) { /* |w| staged (a broadcast load, not an op a step) where groups share it */
+                        const __m256i wu = wa ? _mm256_set1_epi32(wa[r][b * 8 + j]) : _mm256_abs_epi8(wb);
+                        p0 = _mm256_maddubs_epi16(wu, _mm256_sign_epi8(x0, wb));
+                        p1 = H == 2 ? _mm256_maddubs_epi16(wu, _mm256_sign_epi8(x1, wb)) : p0;
                     } else {
                         p0 = _mm256_maddubs_epi16(wb, x0);
                         p1 = H == 2 ? _mm256_maddubs_epi16(wb, x1) : p0;
@@ -2241,13 +2242,17 @@ static inline __attribute__((always_inline)) void i8v_pass(const int32_t *const 
     }
 }
 
-#define I8V_FN(NAME, H, SGN, I16)                                                                                \
-    static __attribute__((noinline)) void NAME(const int32_t *const wr[2], const float *const sr[2],             \
-                                               const float *const mr[2], const int8_t *bt, const float *xs,      \
-                                               const float *xg, int64_t nb, __m256 acc[2][2]) {                  \
-        i8v_pass(wr, sr, mr, bt, xs, xg, nb, acc, H, SGN, I16, 0);                                               \
+/* STAGED: |w| read from the staged copy (wa), else formed a step at a time */
+#define I8V_FN(NAME, H, SGN, I16, STAGED)                                                                        \
+    static __attribute__((noinline)) void NAME(const int32_t *const wr[2], const int32_t *const wa[2],           \
+                                               const float *const sr[2], const float *const mr[2],               \
+                                               const int8_t *bt, const float *xs, const float *xg, int64_t nb,   \
+                                               __m256 acc[2][2]) {                                               \
+        i8v_pass(wr, STAGED ? wa : NULL, sr, mr, bt, xs, xg, nb, acc, H, SGN, I16, 0);                           \
     }
-I8V_FN(i8v_q8_16, 2, 1, 0) I8V_FN(i8v_q8_8, 1, 1, 0) I8V_FN(i8v_s4_16, 2, 1, 2) I8V_FN(i8v_s4_8, 1, 1, 2)
+I8V_FN(i8v_q8_16, 2, 1, 0, 0) I8V_FN(i8v_q8_8, 1, 1, 0, 0) I8V_FN(i8v_s4_16, 2, 1, 2, 0) I8V_FN(i8v_s4_8, 1, 1, 2, 0)
+I8V_FN(i8v_q8_16s, 2, 1, 0, 1) I8V_FN(i8v_q8_8s, 1, 1, 0, 1) I8V_FN(i8v_s4_16s, 2, 1, 2, 1)
+I8V_FN(i8v_s4_8s, 1, 1, 2, 1)
 
 static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
@@ -2260,6 +2265,8 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
 #pragma omp parallel
     {
         uint8_t *wide = (uint8_t *)aligned_alloc(64, (size_t)(16 * K)); /* the task's rows as bytes, [16][K] */
+        /* and their |w|, where more than one group of input rows shares them */
+        uint8_t *wabs = sgn && mg > 1 ? (uint8_t *)aligned_alloc(64, (size_t)(16 * K)) : NULL;
         float *wsf = (float *)malloc((size_t)(16 * ng) * sizeof(float)); /* [16][ng] their scales */
         float *wmf = wm ? (float *)malloc((size_t)(16 * ng) * sizeof(float)) : NULL;
         float c[16][16]; /* [weight row][input row] a group's sums */
@@ -2267,21 +2274,34 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 16 * t;
             stage_rows(w, bits, sgn, row_bytes, K, table, ws, wm, ng, n0, 0, wide, wsf, wmf);
+            if (wabs)
+                for (int64_t i = 0; i < 16 * K; i += 32)
+                    _mm256_store_si256((__m256i *)(wabs + i),
+                                       _mm256_abs_epi8(_mm256_load_si256((const __m256i *)(wide + i))));
             for (int64_t g0 = 0; g0 < mg; g0++) {
                 const int64_t m0 = 16 * g0, rows = M - m0 < 16 ? M - m0 : 16;
                 for (int r0 = 0; r0 < 16; r0 += 2) {
                     const int32_t *wr[2] = {(const int32_t *)(wide + r0 * K), (const int32_t *)(wide + (r0 + 1) * K)};
+                    const int32_t *wa[2] = {wabs ? (const int32_t *)(wabs + r0 * K) : NULL,
+                                            wabs ? (const int32_t *)(wabs + (r0 + 1) * K) : NULL};
+                    const int st = wabs != NULL;
                     const float *sr[2] = {wsf + r0 * ng, wsf + (r0 + 1) * ng};
                     const float *mr[2] = {wmf ? wmf + r0 * ng : NULL, wmf ? wmf + (r0 + 1) * ng : NULL};
                     const int8_t *bt = in.bt + g0 * nb * 512;
                     const float *xs = in.xst + g0 * nb * 16, *xg = in.xgt ? in.xgt + g0 * nb * 16 : NULL;
                     __m256 acc[2][2];
-                    if (rows > 8 && sgn && bits == 8 && !g16 && !wm) i8v_q8_16(wr, sr, mr, bt, xs, xg, nb, acc);
-                    else if (rows > 8 && sgn && whole16 && !g16 && !wm) i8v_s4_16(wr, sr, mr, bt, xs, xg, nb, acc);
-                    else if (sgn && bits == 8 && !g16 && !wm) i8v_q8_8(wr, sr, mr, bt, xs, xg, nb, acc);
-                    else if (sgn && whole16 && !g16 && !wm) i8v_s4_8(wr, sr, mr, bt, xs, xg, nb, acc);
+#define I8V(F)                                          \
+    do {                                                \
+        if (st) F##s(wr, wa, sr, mr, bt, xs, xg, nb, acc); \
+        else F(wr, wa, sr, mr, bt, xs, xg, nb, acc);      \
+    } while (0)
+                    if (rows > 8 && sgn && bits == 8 && !g16 && !wm) I8V(i8v_q8_16);
+                    else if (rows > 8 && sgn && whole16 && !g16 && !wm) I8V(i8v_s4_16);
+                    else if (sgn && bits == 8 && !g16 && !wm) I8V(i8v_q8_8);
+                    else if (sgn && whole16 && !g16 && !wm) I8V(i8v_s4_8);
+#undef I8V
                     else
-                        i8v_pass(wr, sr, mr, bt, xs, xg, nb, acc, rows > 8 ? 2 : 1, sgn,
+                        i8v_pass(wr, st ? wa : NULL, sr, mr, bt, xs, xg, nb, acc, rows > 8 ? 2 : 1, sgn,
                                  whole16 ? 2 : half16 ? 1 : 0, g16);
                     for (int r = 0; r < 2; r++)
                         for (int h = 0; h < (rows > 8 ? 2 : 1); h++) _mm256_storeu_ps(c[r0 + r] + 8 * h, acc[r][h]);
@@ -2290,6 +2310,7 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
             }
         }
         free(wide);
+        free(wabs);
         free(wsf);
         free(wmf);
     }
