@@ -236,6 +236,10 @@ class PagedBatch:
         group, index = self.pool.place[layer]
         return self.groups[group], self.pool.layer_kv(index)
 
+    def group(self, layer: int) -> KVGroup:
+        """A layer's group plan alone (no views of its caches made)."""
+        return self.groups[self.pool.place[layer][0]]
+
     def check_interrupt(self) -> None:
         """Between layers: raises StepInterrupted once `interrupt` is set. Nothing is committed until the forward
         ends (the engine advances no sequence), and the KV rows written so far are written again, the same, when

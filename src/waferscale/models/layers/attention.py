@@ -175,7 +175,7 @@ def fused_decode_layers(plan, h: torch.Tensor, ropes: list, windows: list, calls
     each layer's rope rows (ropes), window (windows) and KV group giving what does."""
     rows, fields, keep, seen = h.shape[0], [], [], {}
     for i, (rope, window) in enumerate(zip(ropes, windows)):
-        group = plan.layer(i)[0]
+        group = plan.group(i)
         key = (id(group), id(rope), window)
         row = seen.get(key)
         if row is None:
