@@ -849,7 +849,7 @@ static sc_t sc_of(const void *v, const float *sup, int fmt, int sgn, int64_t G) 
     return s;
 }
 
-/* ---------------------------------------------------------------- K-quants, up to 15 rows: int8 activations per 256
+/* ------------------------------------------------ K-quants below INT8_ROWS_K rows: int8 activations per 256
  *
  * For the two-level layouts (Q4_K, Q5_K, Q6_K) below INT8_ROWS_K rows (decoding), as llama.cpp multiplies them:
  * each input row is rounded to int8 with one scale per 256 values (a super-block: max|x| / 127, llama.cpp's Q8_K),
@@ -864,9 +864,6 @@ static sc_t sc_of(const void *v, const float *sup, int fmt, int sgn, int64_t G) 
 #define KS 256
 enum { NIBBLES_256 = 1, NIBBLES_512 = 2 }; /* quantize_rows_k's layouts of x for 4-bit weights */
 
-/* rows of x [M, K] -> int8 xq [M, K], one scale a 256 xd [M, K / 256], and per 32 the sums of xq, xb [M, K / 32].
- * nibbles: each pair of 32-blocks (A, B) laid out as A 0-15, B 0-15, A 16-31, B 16-31, the order in which a 32-byte
- * load of the two blocks' nibbles gives their weights (low nibbles, then high ones). */
 /* where a 32-block's half hi (values 16 hi .. 16 hi + 15) of block b lies in its 256 (quantize_rows_k's layouts) */
 static inline int rows_k_at(int nibbles, int b, int hi) {
     const int p = b / 2, h = b % 2;
@@ -1175,7 +1172,7 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
                 const sc_t sr = sc_row(*ws, n, ng), mr = sc_row(*wm, n, ng);                                      \
                 const uint8_t *wn = w + n * row_bytes;                                                            \
                 const int8_t *xm = xq + m0 * K;                                                                   \
-                const float *dm = xd + m0 * (K / KS);                                                             \
+                const float *dm = xd + m0 * (K / KS); /* 4-row block m0 / 4 of gemm_k's layout (m0: 4 at a time) */ \
                 const float *bm = xb + m0 * (K / QB);                                                             \
                 float sums[4];                                                                                    \
                 if (mt == 4) ROW_K(wn, &sr, &mr, xm, dm, bm, K, sums, 4, B, S, G16);                              \
@@ -1223,7 +1220,7 @@ static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
     float *xd = (float *)malloc((size_t)(M * (K / KS)) * sizeof(float));
     int32_t *xb = (int32_t *)malloc((size_t)(M * (K / QB)) * sizeof(int32_t));
     quantize_rows_k(x, x_bf16, M, K, bits == 4 ? NIBBLES : 0, xq, xd, xb);
-    /* as row_k reads them: each 4-row block's super-block scales side by side, the block sums as float32 */
+    /* as row_k and row_k512 read them: each 4-row block's super-block scales side by side, the sums as float32 */
     const int64_t nsb = K / KS, nblk = K / QB;
     float *xd4 = (float *)calloc((size_t)(((M + 3) / 4) * 4 * nsb), sizeof(float));
     float *xbf = (float *)malloc((size_t)(M * nblk) * sizeof(float));
@@ -2164,7 +2161,8 @@ static int gemm_i8v_serves(int bits, int sgn, int64_t G, int sfmt, const void *m
 
 /* weight rows wr[0..1] (a task's staged bytes, at the row's start; scales sr, mins mr) against the 8 H input rows
  * of a group (bt: its B-layout blocks, xs / xg: their scales and sums per block), all nb blocks: acc[r][h]. Each step
- * loads x once for both rows. i16: pairs summed in int16 over a whole block (2), a half (1) or a step (0) */
+ * loads x once for both rows. i16: pairs summed in int16 over a whole block (2), a half (1) or a step (0). wa: the
+ * rows' |w| as staged (signed layouts), or NULL (the array itself): formed a step at a time */
 static inline __attribute__((always_inline)) void i8v_pass(const int32_t *const wr[2], const int32_t *const wa[2],
                                                            const float *const sr[2], const float *const mr[2],
                                                            const int8_t *bt, const float *xs, const float *xg,
@@ -2299,10 +2297,10 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                     else if (rows > 8 && sgn && whole16 && !g16 && !wm) I8V(i8v_s4_16);
                     else if (sgn && bits == 8 && !g16 && !wm) I8V(i8v_q8_8);
                     else if (sgn && whole16 && !g16 && !wm) I8V(i8v_s4_8);
-#undef I8V
                     else
                         i8v_pass(wr, st ? wa : NULL, sr, mr, bt, xs, xg, nb, acc, rows > 8 ? 2 : 1, sgn,
                                  whole16 ? 2 : half16 ? 1 : 0, g16);
+#undef I8V
                     for (int r = 0; r < 2; r++)
                         for (int h = 0; h < (rows > 8 ? 2 : 1); h++) _mm256_storeu_ps(c[r0 + r] + 8 * h, acc[r][h]);
                 }

@@ -163,7 +163,7 @@ def fused_decode_layer(plan, layer: int, h: torch.Tensor, rope, weights, attn: A
     """A whole decoder layer for decode rows only, in place on h (bf16 [B, E]), with `attn`'s heads, scale and
     window; weights: waferscale.kernels.DecodeLayerWeights."""
     args, scales = _decode_args(plan, layer, rope, h.shape[0])
-    starts = None if attn.window is None else _window_starts(plan.layer(layer)[0], attn.window)
+    starts = None if attn.window is None else _window_starts(plan.group(layer), attn.window)
     plan.native.decode_layer_bf16(
         h, weights, *args, attn.num_heads, attn.scale, plan.pool.block_size, **scales, starts=starts
     )
