@@ -6,20 +6,13 @@ from __future__ import annotations
 
 from waferscale.engine.prediction import MAX_DRAFT, propose
 from waferscale.engine.sequence import Sequence
-from waferscale.engine.speculation import NgramState, SpeculativeConfig, StepCosts
+from waferscale.engine.speculation import NgramState, SpeculativeConfig
 
 
 def draft_tokens(
-    seq: Sequence,
-    budget: int,
-    max_model_len: int,
-    speculative: SpeculativeConfig,
-    speculate: bool,
-    costs: StepCosts | None = None,
-    rows: int = 1,
+    seq: Sequence, budget: int, max_model_len: int, speculative: SpeculativeConfig, speculate: bool
 ) -> list[int]:
-    """Drafts to run after seq's last token, within the step's token budget, max_tokens and the context; no more of
-    the server's own than pay for their rows in a step of `rows` decoding rows (costs)."""
+    """Drafts to run after seq's last token, within the step's token budget, max_tokens and the context."""
     limit = min(budget, seq.params.max_tokens - seq.num_generated - 1, max_model_len - len(seq.token_ids))
     if seq.params.prediction:
         drafts, seq.prediction_anchor = propose(
@@ -30,16 +23,10 @@ def draft_tokens(
     if not speculate or k <= 0:
         return []
     if speculative.method == "draft":
-        if seq.draft is None:
-            return []
-        if costs is not None:
-            k = costs.best_k(seq.draft.adapt.acceptance(), k, rows)
-        drafts = seq.draft.take(k)
+        drafts = seq.draft.take(k) if seq.draft is not None else []
     else:
         if seq.ngram is None:
             seq.ngram = NgramState()
-        if costs is not None:
-            k = costs.best_k(seq.ngram.acceptance(), k, rows)
         drafts = seq.ngram.propose(seq.token_ids, k)
     if drafts and seq.matcher is not None:
         # up to the first draft the grammar forbids: verification would reject it (the masked sample never equals

@@ -240,17 +240,13 @@ class LLMEngine:
                     None if batch.prefills else len(batch.decodes).bit_length()
                 )  # decode steps, by batch size
                 threads = self.threads.threads_for(key)
-                rows = batch.decoding_rows  # before the step settles its drafts
                 start = time.perf_counter()
                 ran = self._run(batch, self.interactive_arrived if self._interruptible(batch) else None)
                 if ran is None:  # interrupted: run again (or not) by the next step's plan
                     self.interrupted_steps += 1
                 else:
                     events += ran
-                    seconds = time.perf_counter() - start
-                    self.threads.record(key, threads, seconds)
-                    if rows:
-                        self.scheduler.step_costs.record(rows, seconds)
+                    self.threads.record(key, threads, time.perf_counter() - start)
         except Exception as exc:
             log.exception("engine step failed")
             self.failed_steps += 1

@@ -24,7 +24,7 @@ from waferscale.engine.params import BATCH_PRIORITY
 from waferscale.engine.prefix_sharing import PrefixSharing
 from waferscale.engine.priorities import PriorityPolicy
 from waferscale.engine.sequence import Sequence
-from waferscale.engine.speculation import SpeculativeConfig, StepCosts
+from waferscale.engine.speculation import SpeculativeConfig
 
 
 @dataclass
@@ -40,13 +40,6 @@ class ScheduledBatch:
     @property
     def seqs(self) -> list[Sequence]:
         return self.decodes + [s for s, _ in self.prefills]
-
-    @property
-    def decoding_rows(self) -> int:
-        """Rows of a step that only decodes (last tokens, and drafts to verify after them); 0 if it prefills."""
-        if any(not s.drafts for s, _ in self.prefills):
-            return 0
-        return len(self.decodes) + sum(n for _, n in self.prefills)
 
 
 class Scheduler(PriorityPolicy, PrefixSharing):
@@ -68,7 +61,6 @@ class Scheduler(PriorityPolicy, PrefixSharing):
         self.queue_timeout = queue_timeout  # seconds a request may wait for its first admission
         self.max_model_len = max_model_len
         self.speculative = speculative or SpeculativeConfig()
-        self.step_costs = StepCosts()  # decoding steps' times by rows, which cap the server's own drafts
         self.pages = PagePlan(blocks, self.max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -154,8 +146,7 @@ class Scheduler(PriorityPolicy, PrefixSharing):
                 continue
             if seq not in self.running:  # preempted while making room for an older sequence
                 continue
-            left, rows = room(seq, budget) - 1, len(decoding)
-            drafts = draft_tokens(seq, left, self.max_model_len, self.speculative, speculate, self.step_costs, rows)
+            drafts = draft_tokens(seq, room(seq, budget) - 1, self.max_model_len, self.speculative, speculate)
             if not self._ensure_blocks(seq, len(seq.token_ids) + len(drafts), taken):
                 continue  # seq itself was preempted, or waits for room
             taken.add(id(seq))

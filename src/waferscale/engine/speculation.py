@@ -17,47 +17,6 @@ from dataclasses import dataclass, field
 NGRAMS = (4, 3, 2)  # suffix lengths looked up, longest first
 START_K = 4  # drafts proposed at first
 METHODS = ("none", "ngram", "draft")
-DECAY = 0.9  # weight of a sequence's earlier verifications in its acceptance estimate, one step on
-
-
-class StepCosts:
-    """What a decoding step costs by its rows (each sequence's last token and its drafts), measured on the steps the
-    engine runs, and the number of drafts that pays for itself: where a row costs nearly as much as the step (row
-    kernels bound by compute: Q4_0/Q4_1 without AMX tiles), a draft must be near certain to be worth its row."""
-
-    def __init__(self, smoothing: float = 0.25, trusted_after: int = 2):
-        self.smoothing = smoothing
-        self.trusted_after = trusted_after  # steps of a size before its average counts (the first runs cold)
-        self.samples: dict[int, int] = {}
-        self.averages: dict[int, float] = {}  # rows -> moving average of a step's time
-
-    def record(self, rows: int, seconds: float) -> None:
-        """A step of `rows` rows, all of them decoding or verifying drafts, took `seconds`."""
-        n = self.samples.get(rows, 0)
-        self.samples[rows] = n + 1
-        old = self.averages.get(rows)
-        warm = old is not None and n >= self.trusted_after
-        self.averages[rows] = old + self.smoothing * (seconds - old) if warm else seconds
-
-    def seconds(self, rows: int) -> float | None:
-        """A step of `rows` rows' average time, once measured often enough to count."""
-        return self.averages[rows] if self.samples.get(rows, 0) >= self.trusted_after else None
-
-    def best_k(self, acceptance: float, most: int, rows: int) -> int:
-        """The drafts (0..most) that give the most tokens a second for a sequence whose drafts are accepted with
-        chance `acceptance` each (given the one before), added to a step of `rows` rows. A step size not measured
-        yet counts as free, so that it gets measured."""
-        base = self.seconds(rows)
-        if base is None or base <= 0:
-            return most
-        best, best_rate, expected = 0, 1.0, 1.0
-        for k in range(1, most + 1):
-            expected += acceptance**k  # tokens a step gives: the sampled one, and each accepted draft in a row
-            t = self.seconds(rows + k)
-            rate = expected / (t / base) if t is not None else float("inf")
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
 
 
 @dataclass
@@ -67,13 +26,6 @@ class AdaptiveK:
     k: int = START_K
     misses: int = 0  # verifications in a row that accepted nothing
     pause: int = 0  # steps left without speculation
-    # drafts accepted, and verifications cut short by a rejection, both decaying (1 and 1: a prior of one in two)
-    accepted: float = 1.0
-    rejected: float = 1.0
-
-    def acceptance(self) -> float:
-        """The chance that a draft is accepted given the one before it was (its estimate from this sequence)."""
-        return self.accepted / (self.accepted + self.rejected)
 
     def paused(self) -> bool:
         """Whether this step goes without drafts (counting the pause down)."""
@@ -87,8 +39,6 @@ class AdaptiveK:
         a pause of 2, 4, ... 32 steps after misses in a row."""
         if proposed == 0:
             return
-        self.accepted = DECAY * self.accepted + accepted
-        self.rejected = DECAY * self.rejected + (accepted < proposed)
         if accepted == proposed:
             self.k, self.misses = min(max_k, self.k * 2), 0
         elif accepted:
