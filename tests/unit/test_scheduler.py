@@ -144,4 +144,3 @@ def test_hit_counters_count_one_admission_once_however_often_it_is_retried():
         assert not b.admitted_once
     until(s, lambda: b.admitted_once)
     assert (s.blocks.queries, s.blocks.hits) == (2 + 3 + 2, 2)  # a, the hog, b: each once
-
