@@ -85,6 +85,20 @@ def _generate(loaded, method: str, params: SamplingParams, prompt: str = GROUNDE
     return tokens, logprobs, steps, engine.stats()
 
 
+def test_the_engine_times_its_steps_by_rows_once_and_gives_their_blocks_back(loaded):
+    from waferscale.engine.row_costs import measure_row_costs, row_sizes
+
+    engine = LLMEngine(loaded, kv_cache_bytes=32 << 20, speculative=SpeculativeConfig("ngram", max_draft=8))
+    costs = engine.scheduler.row_costs
+    assert sorted(costs.seconds) == row_sizes(8, 4) and min(costs.seconds.values()) > 0
+    again = LLMEngine(loaded, kv_cache_bytes=32 << 20, speculative=SpeculativeConfig("ngram", max_draft=8))
+    assert again.scheduler.row_costs is costs  # measured once a process: drafts never follow the moment's timing
+    free = engine.blocks.num_available
+    measure_row_costs(engine.runner, engine.blocks, engine.runner.logits, [1, 3], 0)
+    assert engine.blocks.num_available == free
+    assert LLMEngine(loaded, kv_cache_bytes=32 << 20).scheduler.row_costs is None  # speculation off: nothing timed
+
+
 def test_greedy_output_and_logprobs_are_those_without_speculation_in_fewer_steps(loaded):
     params = SamplingParams(max_tokens=48, temperature=0, logprobs=0)
     off, off_lp, off_steps, _ = _generate(loaded, "none", params)

@@ -26,6 +26,7 @@ from waferscale.engine.model_runner import ModelRunner
 from waferscale.engine.output_processor import OutputProcessor
 from waferscale.engine.outputs import GenerationEvent
 from waferscale.engine.params import BATCH_PRIORITY, SamplingParams
+from waferscale.engine.row_costs import measure_row_costs, measured_once, row_sizes
 from waferscale.engine.scheduler import ScheduledBatch, Scheduler
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import SpeculativeConfig
@@ -92,6 +93,16 @@ class LLMEngine:
                 max_batched_tokens=max_num_batched_tokens,
             )
         self._log_kv(kv_dtype, self.pool.page_bytes)
+        if speculative.enabled:  # the server's own drafts are capped at what pays for their rows on this machine
+            sizes = row_sizes(speculative.max_draft, speculative.max_seqs)
+            key = (loaded.fingerprint, loaded.dtype, loaded.quantization, kv_dtype, block_size, torch.get_num_threads())
+            self.scheduler.row_costs = measured_once(
+                key + tuple(sizes),
+                lambda: measure_row_costs(
+                    self.runner, self.blocks, self.runner.logits, sizes, self.eos_ids[0] if self.eos_ids else 0
+                ),
+            )
+            log.info("a decoding step's time by rows, against one row's: %s", self.scheduler.row_costs.describe())
         self.faults = FaultHooks()
         self.threads = ThreadGovernor(
             torch.get_num_threads(), torch.set_num_threads, applied=torch.get_num_threads

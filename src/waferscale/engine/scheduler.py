@@ -24,7 +24,7 @@ from waferscale.engine.params import BATCH_PRIORITY
 from waferscale.engine.prefix_sharing import PrefixSharing
 from waferscale.engine.priorities import PriorityPolicy
 from waferscale.engine.sequence import Sequence
-from waferscale.engine.speculation import SpeculativeConfig
+from waferscale.engine.speculation import RowCosts, SpeculativeConfig, StepLoad
 
 
 @dataclass
@@ -61,6 +61,7 @@ class Scheduler(PriorityPolicy, PrefixSharing):
         self.queue_timeout = queue_timeout  # seconds a request may wait for its first admission
         self.max_model_len = max_model_len
         self.speculative = speculative or SpeculativeConfig()
+        self.row_costs: RowCosts | None = None  # decoding steps' times by rows (set at start), which cap own drafts
         self.pages = PagePlan(blocks, self.max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -125,6 +126,7 @@ class Scheduler(PriorityPolicy, PrefixSharing):
         self._yield_to_waiting()
         decoding = [s for s in self.running if not s.finished and s.remaining == 1 and s.num_generated]
         speculate = self.speculative.enabled and len(decoding) <= self.speculative.max_seqs
+        load = StepLoad(len(decoding), len(decoding))  # the rows and tokens the own drafts weigh their cost against
         batch_left, batch_prefills = self._batch_share(budget)
 
         def room(seq: Sequence, want: int) -> int:
@@ -146,7 +148,8 @@ class Scheduler(PriorityPolicy, PrefixSharing):
                 continue
             if seq not in self.running:  # preempted while making room for an older sequence
                 continue
-            drafts = draft_tokens(seq, room(seq, budget) - 1, self.max_model_len, self.speculative, speculate)
+            left = room(seq, budget) - 1
+            drafts = draft_tokens(seq, left, self.max_model_len, self.speculative, speculate, self.row_costs, load)
             if not self._ensure_blocks(seq, len(seq.token_ids) + len(drafts), taken):
                 continue  # seq itself was preempted, or waits for room
             taken.add(id(seq))

@@ -17,6 +17,55 @@ from dataclasses import dataclass, field
 NGRAMS = (4, 3, 2)  # suffix lengths looked up, longest first
 START_K = 4  # drafts proposed at first
 METHODS = ("none", "ngram", "draft")
+DECAY = 0.9  # weight of a sequence's earlier verifications in its acceptance estimate, one step on
+
+
+@dataclass
+class StepLoad:
+    """A step's decoding rows and the tokens they are expected to give, as each sequence's drafts join it."""
+
+    rows: int  # each decoding sequence's last token, and the drafts given so far
+    tokens: float  # one a sequence, and the accepted drafts expected of those given
+
+    def add(self, drafts: int, acceptance: float) -> None:
+        self.rows += drafts
+        self.tokens += sum(acceptance**j for j in range(1, drafts + 1))
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """A decoding step's time by its rows (each sequence's last token, and drafts to verify after it)."""
+
+    seconds: dict[int, float]
+
+    def at(self, rows: int) -> float:
+        """A step of `rows` rows' time: measured, between two sizes measured, or carried on from the last two."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        sizes = sorted(self.seconds)
+        if len(sizes) < 2:
+            return self.seconds[sizes[-1]] * rows / sizes[-1]
+        below = [r for r in sizes if r < rows]
+        a = below[-1] if below and rows < sizes[-1] else sizes[-2]
+        b = next(r for r in sizes if r > a)
+        return self.seconds[a] + (rows - a) * (self.seconds[b] - self.seconds[a]) / (b - a)
+
+    def best_k(self, acceptance: float, most: int, step: StepLoad) -> int:
+        """The drafts (0..most) for a sequence whose drafts are each accepted with chance `acceptance` (given the one
+        before) that give the step the most tokens a second, added to what it has so far."""
+        base = self.at(step.rows)
+        best, best_rate, expected = 0, step.tokens, step.tokens
+        for k in range(1, most + 1):
+            expected += acceptance**k  # each accepted draft in a row is a token more
+            rate = expected * base / self.at(step.rows + k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def describe(self) -> str:
+        """The step's cost by rows against one row's, for the start-up log."""
+        one = self.seconds[1]
+        return ", ".join(f"{r}: {self.seconds[r] / one:.2f}x" for r in sorted(self.seconds))
 
 
 @dataclass
@@ -26,6 +75,13 @@ class AdaptiveK:
     k: int = START_K
     misses: int = 0  # verifications in a row that accepted nothing
     pause: int = 0  # steps left without speculation
+    # drafts accepted, and verifications cut short by a rejection, both decaying (1 and 1: a prior of one in two)
+    accepted: float = 1.0
+    rejected: float = 1.0
+
+    def acceptance(self) -> float:
+        """The chance that a draft is accepted given the one before it was (its estimate from this sequence)."""
+        return self.accepted / (self.accepted + self.rejected)
 
     def paused(self) -> bool:
         """Whether this step goes without drafts (counting the pause down)."""
@@ -39,6 +95,8 @@ class AdaptiveK:
         a pause of 2, 4, ... 32 steps after misses in a row."""
         if proposed == 0:
             return
+        self.accepted = DECAY * self.accepted + accepted
+        self.rejected = DECAY * self.rejected + (accepted < proposed)
         if accepted == proposed:
             self.k, self.misses = min(max_k, self.k * 2), 0
         elif accepted:
