@@ -109,7 +109,7 @@ def test_gguf_blocks_keep_their_scales_as_stored(kind):
 PANEL_ROWS = 6
 # auto rounds activations to int8 below these batch sizes (INT8_ROWS_K for two-level layouts: 32 with AVX2, 28 where
 # AVX-512 VNNI takes the batches; INT8_ROWS_Q8 for 8-bit blocks), and takes the float32 paths from them on
-INT8_ROWS_K, INT8_ROWS_Q8 = (native.int8_rows_k() if native else 32), 12
+INT8_ROWS_K, INT8_ROWS_Q8 = (native.int8_rows_k(), native.int8_rows_q8()) if native else (32, 12)
 # where the CPU has AMX, auto takes the int8 tiles from these batch sizes instead (quant_kernels.c's AMX_ROWS_*); where
 # it has none, their vector counterparts (gemm_vnni with AVX-512 VNNI, gemm_i8v with AVX2) from the row paths' limits
 AMX_ROWS_K, AMX_ROWS_Q8 = 16, 3
@@ -282,13 +282,13 @@ def test_packed_5_and_6_bit_blocks_give_what_the_same_values_as_bytes_give(kind,
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_int8_tiles_give_each_row_the_integer_sums(kind, tiles):
     """Where the CPU has AMX, auto multiplies 8-bit blocks from 3 rows, and Q4_K, Q5_K and Q6_K from 16, by tiles;
-    elsewhere (or with AMX off), by vectors (AVX-512 VNNI or AVX2) from 12 rows and INT8_ROWS_K (28 or 32): 33 rows
-    (two tile groups and a part) against 100 weight rows (three 32-row tasks and 4 rows past them) give each row, bias
-    included, the products of its int8 activations (per 32) with the weights as the int8 mode sums them (the
-    vectors' K-quants: per 256, as each row alone sums them), within float32 rounding; each row the same bits in
-    the fewest rows the tiles take; with AMX, for 8-bit blocks, the very bits the row alone gets (its own kernel sums
-    and scales each block as the tiles do: a speculative verification step's rows give what one-row decoding gives);
-    bf16 out with a residual is those sums rounded as torch rounds them."""
+    elsewhere (or with AMX off), by vectors from INT8_ROWS_Q8 (5 with AVX-512 VNNI, 12 with AVX2) and INT8_ROWS_K (28
+    or 32): 33 rows (two tile groups and a part) against 100 weight rows (three 32-row tasks and 4 rows past them)
+    give each row, bias included, the products of its int8 activations (per 32) with the weights as the int8 mode
+    sums them (the vectors' K-quants: per 256, as each row alone sums them), within float32 rounding; each row the
+    same bits in the fewest rows the tiles take; with AMX, for 8-bit blocks, the very bits the row alone gets (its own
+    kernel sums and scales each block as the tiles do: a speculative verification step's rows give what one-row
+    decoding gives); bf16 out with a residual is those sums rounded as torch rounds them."""
     if tiles == "amx" and not native.set_amx(True):
         pytest.skip("no AMX on this CPU (or the OS does not grant it)")
     if tiles == "vectors":
@@ -332,6 +332,28 @@ def _check_tile_sums(kind: str, tiles: str) -> None:
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     native.qgemm(x, w, out, bias=bias, residual=residual, act=AUTO)
     assert torch.equal(out, residual + y.bfloat16())
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+def test_a_step_verifying_drafts_gives_each_row_of_8_bit_blocks_what_it_gets_alone(kind):
+    """A speculative verification step (rows_exact) multiplies 8-bit blocks row by row up to 11 rows, as one row is
+    (with AVX-512 VNNI the vectors take other batches from 5 rows, summing each block's products otherwise), so a
+    draft's row gets the numbers decoding it alone gets; the setting is undone after."""
+    n, k, rows = 40, 640, 11
+    w = from_gguf(random_blocks(kind, n, k, seed=3), kind, n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    y, one = torch.empty(rows, n), torch.empty(1, n)
+    before = native.int8_rows_q8()
+    if not before:
+        pytest.skip("the portable build multiplies batches in float32 panels from 6 rows")
+    with native.rows_exact():
+        assert native.int8_rows_q8() == 12
+        native.qgemm(x, w, y, act=AUTO)
+        for r in range(rows):
+            native.qgemm(x[r : r + 1].contiguous(), w, one, act=AUTO)
+            assert torch.equal(one[0], y[r]), r
+    assert native.int8_rows_q8() == before
 
 
 @needs_native

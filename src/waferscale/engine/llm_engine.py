@@ -272,20 +272,22 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch, interrupt: threading.Event | None = None) -> list[GenerationEvent] | None:
         """The step's forward, sampling and verification; None when `interrupt` stopped the forward (nothing is
         committed: every sequence is where it was)."""
-        try:
-            out = self.runner.forward(batch, interrupt)
-        except StepInterrupted:
-            return None
-        self.scheduler.computed(batch)
-        for seq, first, pos, count in out.score_rows:
-            self.output.score_prompt(seq, out.hidden[first : first + count], pos)
-        events = []
-        if out.sample_rows:
-            logits = self.runner.logits(out.hidden[[r for _, r in out.sample_rows]])
-            events = self.output.sample([seq for seq, _ in out.sample_rows], logits)
-        for seq, first, count in out.draft_rows:
-            events += self.output.verify(seq, self.runner.logits(out.hidden[first : first + count]))
-            self.scheduler.settle_drafts(seq)
+        # drafts to verify: each row gets the numbers decoding it alone would (speculation never changes an answer)
+        with kernels.rows_exact(any(s.drafts for s, _ in batch.prefills)):
+            try:
+                out = self.runner.forward(batch, interrupt)
+            except StepInterrupted:
+                return None
+            self.scheduler.computed(batch)
+            for seq, first, pos, count in out.score_rows:
+                self.output.score_prompt(seq, out.hidden[first : first + count], pos)
+            events = []
+            if out.sample_rows:
+                logits = self.runner.logits(out.hidden[[r for _, r in out.sample_rows]])
+                events = self.output.sample([seq for seq, _ in out.sample_rows], logits)
+            for seq, first, count in out.draft_rows:
+                events += self.output.verify(seq, self.runner.logits(out.hidden[first : first + count]))
+                self.scheduler.settle_drafts(seq)
         return events
 
     def _interruptible(self, batch: ScheduledBatch) -> bool:

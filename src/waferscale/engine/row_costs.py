@@ -15,6 +15,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from waferscale import kernels
 from waferscale.engine.block_manager import BlockManager
 from waferscale.engine.params import SamplingParams
 from waferscale.engine.scheduler import ScheduledBatch
@@ -44,7 +45,7 @@ def measure_row_costs(runner, blocks: BlockManager, logits, sizes: list[int], to
     seq.block_tables, seq.dropped = tables, [0] * len(tables)
     seconds: dict[int, float] = {}
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), kernels.rows_exact():  # as verification steps run
             for rows in sizes:
                 seq.num_computed = CONTEXT - 1
                 seq.drafts = [token] * (rows - 1)

@@ -9,6 +9,7 @@ returns None and callers use plain PyTorch ops.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -19,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,6 +150,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qgemm_set_int8_vectors.argtypes = [ctypes.c_int]
     lib.qgemm_set_int8_vectors.restype = ctypes.c_int
     lib.qgemm_int8_rows_k.argtypes = []
+    lib.qgemm_int8_rows_q8.argtypes = []
+    lib.qgemm_set_rows_exact.argtypes = [ctypes.c_int]
+    lib.qgemm_set_rows_exact.restype = ctypes.c_int
+    lib.qgemm_int8_rows_q8.restype = ctypes.c_int
     lib.qgemm_int8_rows_k.restype = ctypes.c_int
     lib.qgemm_int8_vectors_block_k.argtypes = []
     lib.qgemm_int8_vectors_block_k.restype = ctypes.c_int
@@ -204,6 +210,17 @@ def load() -> NativeKernels | None:
 
 # within each panel of 16 output columns, the order the kernel's unpacklo/unpackhi widening expects (an involution)
 _PANEL_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+
+
+@contextlib.contextmanager
+def rows_exact(on: bool = True) -> Iterator[None]:
+    """NativeKernels.rows_exact where the native kernels load; nothing to do where they do not."""
+    native = load() if on else None
+    if native is None:
+        yield
+        return
+    with native.rows_exact():
+        yield
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -820,6 +837,23 @@ class NativeKernels:
         with activations per 256 where AMX does not take them: 32 with AVX2, 28 where AVX-512 VNNI takes the batches, 0
         in the portable build."""
         return self.lib.qgemm_int8_rows_k()
+
+    def int8_rows_q8(self) -> int:
+        """The batch size from which qgemm's auto mode stops multiplying 8-bit blocks (Q8_0, Q5_0, int8) row by row
+        where AMX does not take them: 12 with AVX2 (and while rows_exact), 5 where AVX-512 VNNI takes the batches, 0
+        in the portable build."""
+        return self.lib.qgemm_int8_rows_q8()
+
+    @contextlib.contextmanager
+    def rows_exact(self, on: bool = True) -> Iterator[None]:
+        """While on, this thread's quantized products give each row of a batch the bits it gets alone wherever a row
+        path can take the batch (8-bit blocks up to 11 rows): a step verifying speculative drafts must give each
+        draft's row what decoding it alone would, or speculation could change a greedy answer."""
+        was = self.lib.qgemm_set_rows_exact(int(on))
+        try:
+            yield
+        finally:
+            self.lib.qgemm_set_rows_exact(was)
 
     def int8_vectors_block_k(self) -> int:
         """How many values share an int8 scale when the int8 vector kernels take a K-quant batch: 256 (as the row

@@ -24,8 +24,8 @@
  *       depends only on that row, never on the batch.
  *   auto (the default): below INT8_ROWS_K rows (32; 28 with AVX-512 VNNI) the two-level layouts (K-quants, int4)
  *       with activations rounded to int8 per 256 and integer sums over each super-block (gemm_k), and below
- *       INT8_ROWS_Q8 (12) 8-bit blocks (Q8_0, Q5_0, int8) with activations rounded per 32 (gemm_q8), as llama.cpp
- *       multiplies them; on CPUs with AMX,
+ *       INT8_ROWS_Q8 (12; 5 with AVX-512 VNNI) 8-bit blocks (Q8_0, Q5_0, int8) with activations rounded per 32
+ *       (gemm_q8), as llama.cpp multiplies them; on CPUs with AMX,
  *       8-bit blocks from AMX_ROWS_Q8 (3) rows and the two-level layouts (Q4_K, Q5_K, Q6_K) from AMX_ROWS_K (16)
  *       with activations per 32 by int8 tiles (gemm_amx, gemm_amx16), 8-bit blocks below 3 rows by q8_exact (the
  *       tiles' sums row by row), and from AMX_BF16Q_ROWS (4) bf16 rows Q4_0, Q4_1 and Q5_1 by bf16 tiles
@@ -52,6 +52,9 @@
 
 #define QB 32 /* activation block: K must be a multiple of it */
 #define MT 4  /* input rows per pass over a weight row (the row stays in L1 between passes) */
+/* set by the thread that runs a step verifying speculative drafts (qgemm_set_rows_exact): 8-bit blocks then keep
+ * gemm_q8 up to INT8_ROWS_Q8_EXACT rows, so that each row gets the bits it gets decoded alone */
+static _Thread_local int rows_exact = 0;
 
 static inline float bf16_f32(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -99,7 +102,7 @@ static inline float f16_f32(uint16_t h) {
  * in float32), with fewer bytes to read. */
 enum { SC_F32 = 0, SC_F16 = 1, SC_TWO_LEVEL = 2, SC_E8M0 = 3 };
 /* qgemm's activations (act): float32 (exact weights), int8 per 32 (every layout, every batch), or auto (see the
- * top of this file: gemm_k and gemm_q8 below INT8_ROWS_K and 12 rows, float32 for the rest) */
+ * top of this file: gemm_k and gemm_q8 below INT8_ROWS_K and INT8_ROWS_Q8 rows, float32 for the rest) */
 enum { ACT_FLOAT32 = 0, ACT_INT8 = 1, ACT_AUTO = 2 };
 typedef struct {
     const float *f;
@@ -1202,7 +1205,12 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
 #else
 #define INT8_ROWS_K 32
 #endif
-#define INT8_ROWS_Q8 12
+#define INT8_ROWS_Q8_EXACT 12 /* gemm_q8's rows where a step's rows must each get one row's bits */
+#ifdef WQ_TILES
+#define INT8_ROWS_Q8 5 /* gemm_vnni's 16 rows a vector cost less than gemm_q8's passes from 5 rows, more below */
+#else
+#define INT8_ROWS_Q8 INT8_ROWS_Q8_EXACT
+#endif
 
 /* the two-level layouts this path serves: Q4_K (4, unsigned, G 32), Q6_K (6, signed, G 16; and 8 bits, as earlier
  * conversions hold it), Q5_K (8, unsigned, 32) */
@@ -3050,6 +3058,14 @@ int qgemm_amx_on(void) {
 }
 
 /* the batch size from which auto stops taking gemm_k for the two-level layouts (where AMX does not take them) */
+int qgemm_int8_rows_q8(void) {
+#ifdef WQ_AVX2
+    return rows_exact ? INT8_ROWS_Q8_EXACT : INT8_ROWS_Q8;
+#else
+    return 0; /* the portable build: float32 for every batch */
+#endif
+}
+
 int qgemm_int8_rows_k(void) {
 #ifdef WQ_AVX2
     return INT8_ROWS_K;
@@ -3070,6 +3086,14 @@ int qgemm_int8_vectors_block_k(void) {
 
 /* the int8 vector batches (gemm_vnni with AVX-512 VNNI, else gemm_i8v with AVX2) on or off for this process
  * (benchmarks and tests compare the paths); returns whether they are on (0 where the build has neither) */
+/* whether this thread's qgemm calls give each row of a batch the bits it gets alone where a path allows it (8-bit
+ * blocks up to INT8_ROWS_Q8_EXACT rows): on while a step verifies drafts; returns the setting before */
+int qgemm_set_rows_exact(int on) {
+    const int was = rows_exact;
+    rows_exact = on;
+    return was;
+}
+
 int qgemm_set_int8_vectors(int on) {
 #if defined(WQ_TILES)
     vnni_state = on;
@@ -3120,7 +3144,8 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         gemm_k(x, x_bf16, M, K, w, bits, sgn, G, scales, &mn, bias, res, out, out_bf16, ldo, N);
         return;
     }
-    if (act == ACT_AUTO && M < INT8_ROWS_Q8 && gemm_q8_serves(bits, sgn, G, sfmt, mins_v)) {
+    if (act == ACT_AUTO && M < (rows_exact ? INT8_ROWS_Q8_EXACT : INT8_ROWS_Q8) &&
+        gemm_q8_serves(bits, sgn, G, sfmt, mins_v)) {
 #ifdef WQ_Q8_EXACT
         if (amx_on()) { /* the tiles take this layout from AMX_ROWS_Q8 rows: the same sums below */
             q8_exact(x, x_bf16, M, K, w, bits, scales, bias, res, out, out_bf16, ldo, N);
