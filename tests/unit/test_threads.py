@@ -79,6 +79,14 @@ def test_governor_keeps_every_thread_on_a_quiet_cpu_probing_rarely():
     assert used.count(4) > 0.98 * len(used)  # probes back off while nothing is faster
 
 
+def test_a_probed_count_clearly_slower_costs_one_step_not_three():
+    m = Machine(QUIET)
+    gov = ThreadGovernor(4, m.applied.append, probe_steps=3)
+    used = m.run(gov, 2000)
+    probes = sum(1 for a, b in zip(used, used[1:]) if a == 4 and b != 4)
+    assert probes >= 3 and used.count(2) == probes and used.count(1) == probes
+
+
 def test_governor_drops_threads_when_the_cpu_is_shared_and_comes_back():
     m = Machine(QUIET)
     gov = ThreadGovernor(4, m.applied.append)

@@ -4,8 +4,9 @@ On a CPU of its own the engine decodes fastest on every thread, its OpenMP worke
 end each of a step's hundreds of parallel regions. When another process takes a core, a spinning worker holds a
 core that the worker it waits for needs, and each barrier can wait a scheduler time slice: decoding collapses to a
 tenth or less. Fewer threads (down to one, which has no barriers) then decode faster. The governor probes the other
-thread counts for a few steps now and then, and sooner when step times grow, and keeps whichever is faster: all
-threads on a quiet machine, fewer on a busy one, all again once the other work stops.
+thread counts for a few steps now and then (one step, where that one is clearly slower), and sooner when step
+times grow, and keeps whichever is faster: all threads on a quiet machine, fewer on a busy one, all again once the
+other work stops.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ThreadGovernor:
         probe_steps: int = 3,
         margin: float = 0.15,
         slowdown: float = 1.5,
+        abandon: float = 1.3,
         applied: Callable[[], int] | None = None,
     ):
         self.candidates = sorted({max_threads, max(1, max_threads // 2), 1}, reverse=True)
@@ -47,6 +49,7 @@ class ThreadGovernor:
         self._active: int | None = None
         self._min_period, self._max_period, self._period = period, max_period, period
         self._probe_steps, self._margin, self._slowdown = probe_steps, margin, slowdown
+        self._abandon = abandon  # a probed count whose first step takes this many times the current's is dropped
         self._since_probe = 0
         self._plan: list[int] = []  # thread counts of the probe steps still to run
         self._probe_key: int | None = None
@@ -71,6 +74,10 @@ class ThreadGovernor:
         if self._plan and key == self._probe_key and threads == self._plan[0]:
             self._plan.pop(0)
             self._probed.setdefault(threads, []).append(seconds)
+            current = self._recent.get(key)
+            if current and seconds > self._abandon * statistics.median(current):
+                # clearly slower: its other probe steps would only cost time (on a quiet CPU, every probe)
+                self._plan = [n for n in self._plan if n != threads]
             if not self._plan:
                 self._decide(key)
             return
