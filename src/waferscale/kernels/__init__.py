@@ -150,11 +150,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qgemm_set_int8_vectors.argtypes = [ctypes.c_int]
     lib.qgemm_set_int8_vectors.restype = ctypes.c_int
     lib.qgemm_int8_rows_k.argtypes = []
+    lib.qgemm_int8_rows_k.restype = ctypes.c_int
     lib.qgemm_int8_rows_q8.argtypes = []
+    lib.qgemm_int8_rows_q8.restype = ctypes.c_int
     lib.qgemm_set_rows_exact.argtypes = [ctypes.c_int]
     lib.qgemm_set_rows_exact.restype = ctypes.c_int
-    lib.qgemm_int8_rows_q8.restype = ctypes.c_int
-    lib.qgemm_int8_rows_k.restype = ctypes.c_int
     lib.qgemm_int8_vectors_block_k.argtypes = []
     lib.qgemm_int8_vectors_block_k.restype = ctypes.c_int
     lib.gemm_bf16_tiles.argtypes = []

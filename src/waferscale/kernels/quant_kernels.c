@@ -1211,6 +1211,8 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
 #else
 #define INT8_ROWS_Q8 INT8_ROWS_Q8_EXACT
 #endif
+/* the batch size from which 8-bit blocks leave gemm_q8 on this thread */
+static inline int rows_q8(void) { return rows_exact ? INT8_ROWS_Q8_EXACT : INT8_ROWS_Q8; }
 
 /* the two-level layouts this path serves: Q4_K (4, unsigned, G 32), Q6_K (6, signed, G 16; and 8 bits, as earlier
  * conversions hold it), Q5_K (8, unsigned, 32) */
@@ -3057,15 +3059,16 @@ int qgemm_amx_on(void) {
 #endif
 }
 
-/* the batch size from which auto stops taking gemm_k for the two-level layouts (where AMX does not take them) */
+/* the batch size from which auto stops taking gemm_q8 for 8-bit blocks on this thread (where AMX does not take them) */
 int qgemm_int8_rows_q8(void) {
 #ifdef WQ_AVX2
-    return rows_exact ? INT8_ROWS_Q8_EXACT : INT8_ROWS_Q8;
+    return rows_q8();
 #else
     return 0; /* the portable build: float32 for every batch */
 #endif
 }
 
+/* the batch size from which auto stops taking gemm_k for the two-level layouts (where AMX does not take them) */
 int qgemm_int8_rows_k(void) {
 #ifdef WQ_AVX2
     return INT8_ROWS_K;
@@ -3084,8 +3087,6 @@ int qgemm_int8_vectors_block_k(void) {
 #endif
 }
 
-/* the int8 vector batches (gemm_vnni with AVX-512 VNNI, else gemm_i8v with AVX2) on or off for this process
- * (benchmarks and tests compare the paths); returns whether they are on (0 where the build has neither) */
 /* whether this thread's qgemm calls give each row of a batch the bits it gets alone where a path allows it (8-bit
  * blocks up to INT8_ROWS_Q8_EXACT rows): on while a step verifies drafts; returns the setting before */
 int qgemm_set_rows_exact(int on) {
@@ -3094,6 +3095,8 @@ int qgemm_set_rows_exact(int on) {
     return was;
 }
 
+/* the int8 vector batches (gemm_vnni with AVX-512 VNNI, else gemm_i8v with AVX2) on or off for this process
+ * (benchmarks and tests compare the paths); returns whether they are on (0 where the build has neither) */
 int qgemm_set_int8_vectors(int on) {
 #if defined(WQ_TILES)
     vnni_state = on;
@@ -3144,8 +3147,7 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         gemm_k(x, x_bf16, M, K, w, bits, sgn, G, scales, &mn, bias, res, out, out_bf16, ldo, N);
         return;
     }
-    if (act == ACT_AUTO && M < (rows_exact ? INT8_ROWS_Q8_EXACT : INT8_ROWS_Q8) &&
-        gemm_q8_serves(bits, sgn, G, sfmt, mins_v)) {
+    if (act == ACT_AUTO && M < rows_q8() && gemm_q8_serves(bits, sgn, G, sfmt, mins_v)) {
 #ifdef WQ_Q8_EXACT
         if (amx_on()) { /* the tiles take this layout from AMX_ROWS_Q8 rows: the same sums below */
             q8_exact(x, x_bf16, M, K, w, bits, scales, bias, res, out, out_bf16, ldo, N);
