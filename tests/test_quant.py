@@ -116,6 +116,9 @@ AMX_ROWS_K, AMX_ROWS_Q8 = 16, 3
 TILE_ROWS = {"amx": (AMX_ROWS_K, AMX_ROWS_Q8), "vectors": (INT8_ROWS_K, INT8_ROWS_Q8)}
 # the vectors round a K-quant batch's activations per 256, as the row path does (gemm_i8k, AVX2 or AVX-512)
 VECTORS_BLOCK_K = native.int8_vectors_block_k() if native else 0
+# auto rounds one-level 4-bit blocks' activations to int8 per 32 below this batch size (gemm_i4m), then takes the int8
+# vectors (AVX-512 VNNI: int8 per 32 too) or int16 per 32 (gemm_i16b); 0 in the portable build
+INT8_ROWS_4 = native.int8_rows_4() if native else 0
 
 
 # qgemm's activation modes (quant.ACTIVATION_MODES)
@@ -134,8 +137,16 @@ def _tiles(lib) -> str | None:
     return "amx" if lib.set_amx(True) else "vectors" if lib.set_int8_vectors(True) else None
 
 
+def _one_level_4bit(w: QuantWeight) -> bool:
+    """Q4_0, Q4_1 and --quantization int4 where not two-level: unsigned 4-bit blocks of 32 with one-level scales and
+    mins."""
+    return w.bits == 4 and not w.signed and w.group == 32 and w.scale_format != 2
+
+
 def _fewest_tile_rows(w: QuantWeight, tiles: str) -> int:
     """The batch size from which the tiles (or their VNNI counterpart) take this layout."""
+    if _one_level_4bit(w):
+        return INT8_ROWS_4
     k_rows, q8_rows = TILE_ROWS[tiles]
     return q8_rows if _eight_bit(w) else k_rows
 
@@ -148,6 +159,7 @@ def _tile_rows(w: QuantWeight, act: int, rows: int, tiles: str | None) -> bool:
     two_level_32 = w.group == 32 and not w.signed  # Q4_K, Q5_K
     q6k = w.group == 16 and w.signed and w.bits in (8, 6) and w.mins is None
     served = _eight_bit(w) or (w.scale_format == 2 and (two_level_32 or q6k))
+    served = served or (_one_level_4bit(w) and native.int8_vectors_4())  # the VNNI vectors, not AMX's int8 tiles
     return served and rows >= _fewest_tile_rows(w, tiles)
 
 
@@ -162,14 +174,18 @@ def _int8_block(w: QuantWeight, act: int, rows: int, tiles: str | None = None) -
         return None
     if w.scale_format == 2 and w.in_features % 256 == 0:  # the K-quants: per 256, integer sums over each super-block
         return 256 if rows < INT8_ROWS_K else None
+    if _one_level_4bit(w):
+        return 32 if rows < INT8_ROWS_4 else None
     return 32 if _eight_bit(w) and rows < INT8_ROWS_Q8 else None
 
 
 def _int16_rows(w: QuantWeight, act: int, rows: int) -> bool:
-    """Whether auto rounds this batch's activations to int16 per 32 (gemm_i16): one-level unsigned blocks of 32
-    (with mins), 4-bit (Q4_0, Q4_1, int4 where not two-level) or Q5_1's (in 5 bits or a byte): row by row below
-    PANEL_ROWS (gemm_i16), 16 rows a vector from there (gemm_i16b)."""
-    one_level = w.scale_format != 2 and w.group == 32 and not w.signed and w.bits in (4, 5, 8)
+    """Whether auto rounds this batch's activations to int16 per 32: Q5_1's one-level unsigned blocks of 32 with mins
+    (in 5 bits or a byte) row by row below PANEL_ROWS (gemm_i16), 16 rows a vector from there (gemm_i16b); one-level
+    4-bit blocks from INT8_ROWS_4 rows where the int8 vectors do not take them (gemm_i16b)."""
+    if _one_level_4bit(w):
+        return act == AUTO and native_avx2() and rows >= INT8_ROWS_4 and not native.int8_vectors_4()
+    one_level = w.scale_format != 2 and w.group == 32 and not w.signed and w.bits in (5, 8)
     return act == AUTO and native_avx2() and one_level
 
 
@@ -201,7 +217,7 @@ def _check_matmul(w: QuantWeight, dense: torch.Tensor, lib) -> None:
                 part = torch.empty(fewest, w.out_features)
                 lib.qgemm(x[-fewest:].contiguous(), w, part, act=act)
                 assert torch.equal(part[-1], y[-1])
-                if _eight_bit(w):  # the same products as one row's, summed otherwise (K-quants: per 256 alone)
+                if _eight_bit(w) or _one_level_4bit(w):  # one row's products, summed otherwise (K-quants: per 256)
                     assert ((one[0] - y[-1]).norm() / y[-1].norm()) < 1e-5
             elif (block and not _int16_rows(w, act, rows)) or rows < PANEL_ROWS:
                 assert torch.equal(one[0], y[-1])
@@ -244,15 +260,21 @@ def test_integer_kernel_matches_float_reference(kind):
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1"])
 def test_large_int16_batches_give_each_row_what_a_small_batch_gives(kind):
     """Batches of 32 rows and more of the one-level blocks with mins take two groups of 16 rows a pass (gemm_i16b
-    with AVX-512): a row gets the bits it gets among PANEL_ROWS rows, whichever group and lane it lands in."""
-    n, k, rows = 40, 512, 70
+    with AVX-512): a row gets the bits it gets in the fewest rows that take int16 (PANEL_ROWS; the 4-bit blocks:
+    INT8_ROWS_4), whichever group and lane it lands in."""
+    n, k, rows = 40, 512, 72
     w = from_gguf(random_blocks(kind, n, k, seed=3), kind, n, k)
+    fewest = PANEL_ROWS  # the portable build: float32 panels, as batch-invariant
+    if _one_level_4bit(w) and INT8_ROWS_4:
+        if native.int8_vectors_4():
+            pytest.skip("the 4-bit blocks' batches take the int8 vectors here (test_integer_kernel_matches_...)")
+        fewest = INT8_ROWS_4
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
     y = torch.empty(rows, n)
     native.qgemm(x, w, y, act=AUTO)
     for r in (0, 15, 16, 31, 32, 47, 63, 64):
-        few = torch.empty(PANEL_ROWS, n)
-        native.qgemm(x[r : r + PANEL_ROWS].contiguous(), w, few, act=AUTO)
+        few = torch.empty(fewest, n)
+        native.qgemm(x[r : r + fewest].contiguous(), w, few, act=AUTO)
         assert torch.equal(few[0], y[r])
 
 
@@ -335,32 +357,33 @@ def _check_tile_sums(kind: str, tiles: str) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
-def test_a_step_verifying_drafts_gives_each_row_of_8_bit_blocks_what_it_gets_alone(kind):
-    """A speculative verification step (rows_exact) multiplies 8-bit blocks row by row up to 11 rows, as one row is
-    (with AVX-512 VNNI the vectors take other batches from 5 rows, summing each block's products otherwise), so a
-    draft's row gets the numbers decoding it alone gets; the setting is undone after."""
-    n, k, rows = 40, 640, 11
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_0", "Q4_1"])
+def test_a_step_verifying_drafts_gives_each_row_of_int8_blocks_what_it_gets_alone(kind):
+    """A speculative verification step (rows_exact) multiplies 8-bit blocks and one-level 4-bit blocks row by row up
+    to 11 rows, as one row is (otherwise the vectors take 8-bit batches from 5 rows with AVX-512 VNNI, and 4-bit ones
+    from INT8_ROWS_4, summing each block's products otherwise), so a draft's row gets the numbers decoding it alone
+    gets; the setting is undone after. K 608: an odd number of blocks."""
+    n, k, rows = 40, 608, 11
     w = from_gguf(random_blocks(kind, n, k, seed=3), kind, n, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)).bfloat16()
     y, one = torch.empty(rows, n), torch.empty(1, n)
-    before = native.int8_rows_q8()
+    limit = native.int8_rows_4 if _one_level_4bit(w) else native.int8_rows_q8
+    before = limit()
     if not before:
         pytest.skip("the portable build multiplies batches in float32 panels from 6 rows")
     with native.rows_exact():
-        assert native.int8_rows_q8() == 12
+        assert limit() == 12
         native.qgemm(x, w, y, act=AUTO)
         for r in range(rows):
             native.qgemm(x[r : r + 1].contiguous(), w, one, act=AUTO)
             assert torch.equal(one[0], y[r]), r
-    assert native.int8_rows_q8() == before
+    assert limit() == before
 
 
 @needs_native
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1"])
 def test_amx_bf16_tiles_give_one_level_blocks_their_float_sums(kind):
-    """Where the CPU has AMX, auto multiplies Q4_0, Q4_1 and Q5_1 (whose int8 activations cost accuracy) from 4 bf16
-    rows by bf16 tiles, q and x exact in bf16: 33 rows against 100 weight rows (three 32-row tasks and 4 rows past
+    """Where the CPU has AMX, auto multiplies Q4_0, Q4_1 and Q5_1 from 4 bf16 rows by bf16 tiles, q and x exact in bf16: 33 rows against 100 weight rows (three 32-row tasks and 4 rows past
     them) give the float64 reference's sums within float32 rounding; each row the same bits in a batch of 4 as in the
     batch of 33; bf16 out with a residual is those sums rounded as torch rounds them."""
     if not native.set_amx(True):

@@ -153,6 +153,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qgemm_int8_rows_k.restype = ctypes.c_int
     lib.qgemm_int8_rows_q8.argtypes = []
     lib.qgemm_int8_rows_q8.restype = ctypes.c_int
+    lib.qgemm_int8_rows_4.argtypes = []
+    lib.qgemm_int8_rows_4.restype = ctypes.c_int
+    lib.qgemm_int8_vectors_4.argtypes = []
+    lib.qgemm_int8_vectors_4.restype = ctypes.c_int
     lib.qgemm_set_rows_exact.argtypes = [ctypes.c_int]
     lib.qgemm_set_rows_exact.restype = ctypes.c_int
     lib.qgemm_int8_vectors_block_k.argtypes = []
@@ -844,11 +848,21 @@ class NativeKernels:
         in the portable build."""
         return self.lib.qgemm_int8_rows_q8()
 
+    def int8_rows_4(self) -> int:
+        """The batch size from which qgemm's auto mode stops multiplying one-level 4-bit blocks (Q4_0, Q4_1, int4 where
+        not two-level) row by row with int8 activations per 32: 8 (12 while rows_exact), 0 in the portable build."""
+        return self.lib.qgemm_int8_rows_4()
+
+    def int8_vectors_4(self) -> bool:
+        """Whether qgemm's auto mode multiplies one-level 4-bit blocks' larger batches by int8 vectors (AVX-512 VNNI,
+        while on) rather than with int16 activations (gemm_i16b)."""
+        return bool(self.lib.qgemm_int8_vectors_4())
+
     @contextlib.contextmanager
     def rows_exact(self, on: bool = True) -> Iterator[None]:
         """While on, this thread's quantized products give each row of a batch the bits it gets alone wherever a row
-        path can take the batch (8-bit blocks up to 11 rows): a step verifying speculative drafts must give each
-        draft's row what decoding it alone would, or speculation could change a greedy answer."""
+        path can take the batch (8-bit and one-level 4-bit blocks up to 11 rows): a step verifying speculative drafts
+        must give each draft's row what decoding it alone would, or speculation could change a greedy answer."""
         was = self.lib.qgemm_set_rows_exact(int(on))
         try:
             yield

@@ -29,9 +29,11 @@
  *       8-bit blocks from AMX_ROWS_Q8 (3) rows and the two-level layouts (Q4_K, Q5_K, Q6_K) from AMX_ROWS_K (16)
  *       with activations per 32 by int8 tiles (gemm_amx, gemm_amx16), 8-bit blocks below 3 rows by q8_exact (the
  *       tiles' sums row by row), and from AMX_BF16Q_ROWS (4) bf16 rows Q4_0, Q4_1 and Q5_1 by bf16 tiles
- *       (gemm_amx_bf16q); elsewhere one-level blocks with mins (Q4_0, Q4_1, Q5_1) with activations rounded to int16
- *       per 32 (gemm_i16 row by row below PANEL_ROWS (6), gemm_i16b from there); int8 vectors past the row paths
- *       where the build has them (gemm_vnni, gemm_i8k, gemm_i8v); float32 for everything else.
+ *       (gemm_amx_bf16q); one-level 4-bit blocks (Q4_0, Q4_1) below INT8_ROWS_4 (8) rows with activations rounded
+ *       to int8 per 32 (gemm_i4m); Q5_1, and the 4-bit blocks' larger batches where AVX-512 VNNI does not take
+ *       them, with activations rounded to int16 per 32 (gemm_i16 row by row below PANEL_ROWS (6), gemm_i16b from
+ *       there); int8 vectors past the row paths where the build has them (gemm_vnni, gemm_i8k, gemm_i8v); float32
+ *       for everything else.
  * Without AVX2 (or built with -DWS_PORTABLE) plain C computes the same sums in the same orders (within rounding).
  */
 #include <math.h>
@@ -53,7 +55,8 @@
 #define QB 32 /* activation block: K must be a multiple of it */
 #define MT 4  /* input rows per pass over a weight row (the row stays in L1 between passes) */
 /* set by the thread that runs a step verifying speculative drafts (qgemm_set_rows_exact): 8-bit blocks then keep
- * gemm_q8 up to INT8_ROWS_Q8_EXACT rows, so that each row gets the bits it gets decoded alone */
+ * gemm_q8, and one-level 4-bit blocks gemm_i4m, up to INT8_ROWS_Q8_EXACT rows, so that each row gets the bits it
+ * gets decoded alone */
 static _Thread_local int rows_exact = 0;
 
 static inline float bf16_f32(uint16_t h) {
@@ -275,6 +278,20 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64
             xg[m * ng + g] = s;
         }
     }
+}
+
+/* xg [M, K / 32] = each block's rounded values summed, times its scale: the sums the mins meet where x is rounded to
+ * int8 per 32 for one-level 4-bit blocks, so that a block's error is sum_i w_i (s xq_i - x_i), the weights' own
+ * values (scale x q + min, centred) against x's rounding, as llama.cpp's Q8_1 sums. Against x's exact sums, the
+ * error is sum_i scale q_i (s xq_i - x_i), q 0..15 uncentred: about twice as large. */
+static inline void rounded_sums(const int8_t *xq, const float *xs, int64_t M, int64_t K, float *xg) {
+    const int64_t nb = K / QB;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t t = 0;
+            for (int i = 0; i < QB; i++) t += xq[m * K + b * QB + i];
+            xg[m * nb + b] = (float)t * xs[m * nb + b];
+        }
 }
 
 #ifdef WQ_AVX2
@@ -1499,6 +1516,158 @@ static void gemm_i16(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     free(xs);
 }
 
+/* One-level 4-bit blocks of 32 with mins (Q4_0, Q4_1, --quantization int4 where not two-level) below INT8_ROWS_4
+ * rows: activations int8 per 32 as llama.cpp multiplies Q4_1 by Q8_1 and as the int8 mode rounds them, each block's
+ * integer dot (u8 nibbles x s8) scaled once by the weight's and x's scales, the mins met by x's float32 sums per 32.
+ * Against gemm_i16 (int16 x, 32 products an instruction) a 512-bit vpdpbusd takes two blocks (64 products): its
+ * row kernels were bound by their vector instructions, not by memory. I4M_R weight rows a pass, side by side: a
+ * short row (K 576: 18 blocks) is otherwise one chain of dependent FMAs; each row asks for its line of the next
+ * pass's rows (the next I4M_R rows lie right after them), a pass ahead. */
+#ifdef WQ_512
+#define I4M_R 4
+#else
+#define I4M_R 2 /* AVX2's 16 registers */
+#endif
+/* from 8 rows, gemm_vnni's 16 rows a vector cost less (AVX-512 VNNI, 135M and 1B shapes); built for AVX2, gemm_i16b's
+ * int16 passes cost about the same at 8 rows and less from 12 (gemm_i8v's more than either). A step verifying drafts
+ * keeps this path up to INT8_ROWS_Q8_EXACT rows: each row the bits it gets alone. */
+#define INT8_ROWS_4 8
+
+static int gemm_i4m_serves(int bits, int sgn, int64_t G, int sfmt) {
+    return bits == 4 && !sgn && G == QB && sfmt != SC_TWO_LEVEL;
+}
+
+#ifdef WQ_512
+#ifdef __AVX512VNNI__
+#define DOT512_U8S8(u, s) _mm512_dpbusd_epi32(_mm512_setzero_si512(), (u), (s))
+#else
+#define DOT512_U8S8(u, s) _mm512_madd_epi16(_mm512_maddubs_epi16((u), (s)), _mm512_set1_epi16(1))
+#endif
+#endif
+
+/* sums[r][m] = x_m . w_r for I4M_R weight rows (wr[r], scales sr[r], mins mr[r]) and mt (1..4) input rows (xq int8
+ * per 32, row stride K; xs their scales, xg their float32 sums per 32). Every row the same operations whatever mt:
+ * a row's sum is the same for 1 to 4 input rows, and the same whichever pass and slot its weight row lands in. */
+static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const wr[I4M_R], const sc_t sr[I4M_R],
+                                                           const sc_t mr[I4M_R], const int8_t *xq, const float *xs,
+                                                           const float *xg, int64_t K, float sums[I4M_R][4],
+                                                           const int mt) {
+    const int64_t nb = K / QB;
+    float cs[I4M_R][4][8];
+#ifdef WQ_512
+    /* two blocks a vector: A's 32 weights in lanes 0-7 (4 a lane), B's in 8-15, met by x's two blocks as they lie */
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m512i pair_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[I4M_R][4];
+    for (int r = 0; r < I4M_R; r++)
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
+#else
+    __m256 acc[I4M_R][4];
+    for (int r = 0; r < I4M_R; r++)
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm256_setzero_ps();
+#endif
+    for (int64_t c = 0; c < nb; c += 8) {
+        int64_t nblk = 0;
+        for (int r = 0; r < I4M_R; r++) nblk = block_scales(&sr[r], xs, nb, c, mt, 0, cs[r]);
+        int64_t j = 0;
+#ifdef WQ_512
+        for (; j + 2 <= nblk; j += 2) {
+            const int64_t kb = (c + j) * QB, at = (c + j) * 16;
+            __m512i xv[4];
+            for (int m = 0; m < mt; m++) xv[m] = _mm512_loadu_si512((const void *)(xq + m * K + kb));
+            for (int r = 0; r < I4M_R; r++) {
+                if (j % 4 == 0) _mm_prefetch((const char *)(wr[r] + at + I4M_R * K / 2), _MM_HINT_T0);
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(wr[r] + at)); /* byte i: i, i + 16 */
+                const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                const __m512i lh = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); /* A lo, B lo, A hi, B hi */
+                const __m512i wv = _mm512_shuffle_i64x2(lh, lh, 0xD8);                   /* A lo, A hi, B lo, B hi */
+                for (int m = 0; m < mt; m++) {
+                    const __m512 sc = _mm512_permutexvar_ps(
+                        pair_idx, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)&cs[r][m][j]))));
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(DOT512_U8S8(wv, xv[m])), sc, acc[r][m]);
+                }
+            }
+        }
+#endif
+        for (; j < nblk; j++) { /* one block a vector (AVX2; AVX-512: an odd chunk's last) */
+            const int64_t kb = (c + j) * QB, at = (c + j) * 16;
+            for (int r = 0; r < I4M_R; r++) {
+                if (j % 4 == 0) _mm_prefetch((const char *)(wr[r] + at + I4M_R * K / 2), _MM_HINT_T0);
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(wr[r] + at)), m4x = _mm_set1_epi8(0x0F);
+                const __m256i wv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(raw, m4x)),
+                                                           _mm_and_si128(_mm_srli_epi16(raw, 4), m4x), 1);
+                for (int m = 0; m < mt; m++) {
+                    const __m256 p =
+                        _mm256_cvtepi32_ps(DOT_U8S8(wv, _mm256_loadu_si256((const __m256i *)(xq + m * K + kb))));
+#ifdef WQ_512
+                    const __m256 v = _mm256_mul_ps(p, _mm256_set1_ps(cs[r][m][j]));
+                    acc[r][m] = _mm512_add_ps(acc[r][m], _mm512_zextps256_ps512(v));
+#else
+                    acc[r][m] = _mm256_fmadd_ps(p, _mm256_set1_ps(cs[r][m][j]), acc[r][m]);
+#endif
+                }
+            }
+        }
+    }
+    for (int r = 0; r < I4M_R; r++)
+        for (int m = 0; m < mt; m++)
+#ifdef WQ_512
+            sums[r][m] = _mm512_reduce_add_ps(acc[r][m]) + mins_dot(&mr[r], xg + m * nb, nb);
+#else
+            sums[r][m] = hsum(acc[r][m]) + mins_dot(&mr[r], xg + m * nb, nb);
+#endif
+}
+
+/* rows n0 .. n1 (at most 4) of gemm_i4m for all M input rows, I4M_R weight rows a pass (a last pass short of rows
+ * repeats the last one, whose sums are the same, and stores only the rows' own) */
+static __attribute__((noinline)) void i4m_rows(const int8_t *xq, const float *xs, const float *xg, int64_t M,
+                                               int64_t K, const uint8_t *w, const sc_t *ws, const sc_t *wm,
+                                               int64_t n0, int64_t n1, const float *bias, const uint16_t *res,
+                                               void *out, int out_bf16, int64_t ldo) {
+    const int64_t nb = K / QB;
+    for (int64_t n = n0; n < n1; n += I4M_R) {
+        const uint8_t *wr[I4M_R];
+        sc_t sr[I4M_R], mr[I4M_R];
+        for (int r = 0; r < I4M_R; r++) {
+            const int64_t nr = n + r < n1 ? n + r : n1 - 1;
+            wr[r] = w + nr * row_bytes_of(4, K);
+            sr[r] = sc_row(*ws, nr, nb);
+            mr[r] = sc_row(*wm, nr, nb);
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mt = M - m0 < 4 ? M - m0 : 4;
+            const int8_t *xm = xq + m0 * K;
+            const float *sm = xs + m0 * nb, *gm = xg + m0 * nb;
+            float sums[I4M_R][4];
+            if (mt == 4) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 4);
+            else if (mt == 3) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 3);
+            else if (mt == 2) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 2);
+            else rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 1);
+            for (int64_t r = 0; r < I4M_R && n + r < n1; r++)
+                for (int64_t i = 0; i < mt; i++) put(sums[r][i], m0 + i, n + r, bias, res, out, out_bf16, ldo);
+        }
+    }
+}
+
+static void gemm_i4m(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const sc_t *ws,
+                     const sc_t *wm, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
+                     int64_t N) {
+    const int64_t groups = (N + 3) / 4, nb = K / QB;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    float *xg = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    quantize_rows(x, x_bf16, M, K, QB, xq, xs, NULL, NULL);
+    rounded_sums(xq, xs, M, K, xg);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = 4 * g, n1 = n0 + 4 < N ? n0 + 4 : N;
+        i4m_rows(xq, xs, xg, M, K, w, ws, wm, n0, n1, bias, res, out, out_bf16, ldo);
+    }
+    free(xq);
+    free(xs);
+    free(xg);
+}
+
 /* Batches of the one-level blocks with mins (Q4_0, Q4_1, Q5_1: gemm_i16's layouts) from PANEL_ROWS rows on AVX2: x
  * rounded to int16 per 32 as gemm_i16 rounds it, 2 weight rows x 16 input rows a pass, per step of 2 values 2 loads
  * of x and 2 weight pair broadcasts feeding 4 vpmaddwd (16 products each, where the float32 panels' FMA does 8), each
@@ -1819,9 +1988,10 @@ static void task_scales(const sc_t *ws, const sc_t *wm, int64_t n0, int64_t ng, 
     }
 }
 
-/* The input rows as the tile kernels take them: int8 per 32 (xq, xs; and xg, the float32 sums per block, for
- * layouts with mins), as B tiles bt [mg][nb][8][64] (byte 4 m + j of row r: xq[16 g + m][32 b + 4 r + j]; rows past
- * M 0), and the scales (and sums) per block as [mg][nb][16]. */
+/* The input rows as the tile kernels take them: int8 per 32 (xq, xs; and xg, the sums per block for layouts with
+ * mins: sums 1, x's float32 sums; 2, its rounded values' (rounded_sums: one-level 4-bit blocks)), as B tiles bt
+ * [mg][nb][8][64] (byte 4 m + j of row r: xq[16 g + m][32 b + 4 r + j]; rows past M 0), and the scales (and sums)
+ * per block as [mg][nb][16]. */
 typedef struct {
     int8_t *xq, *bt;
     float *xs, *xg, *xst, *xgt;
@@ -1833,7 +2003,8 @@ static amx_in_t amx_inputs(const void *x, int x_bf16, int64_t M, int64_t K, int 
     in.xq = (int8_t *)malloc((size_t)(M * K));
     in.xs = (float *)malloc((size_t)(M * nb) * sizeof(float));
     in.xg = sums ? (float *)malloc((size_t)(M * nb) * sizeof(float)) : NULL;
-    quantize_rows(x, x_bf16, M, K, QB, in.xq, in.xs, in.xg, NULL);
+    quantize_rows(x, x_bf16, M, K, QB, in.xq, in.xs, sums == 1 ? in.xg : NULL, NULL);
+    if (sums == 2) rounded_sums(in.xq, in.xs, M, K, in.xg);
     in.bt = (int8_t *)aligned_alloc(64, (size_t)(mg * nb * 512)); /* tile rows on cache lines */
     memset(in.bt, 0, (size_t)(mg * nb * 512));
     in.xst = (float *)calloc((size_t)(mg * nb * 16), sizeof(float));
@@ -1992,7 +2163,8 @@ static void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uin
                       const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
     const int64_t nb = K / QB, ng = K / G, mg = (M + 15) / 16, tasks = N / 16, row_bytes = row_bytes_of(bits, K);
     const int g16 = G == 16;
-    amx_in_t in = amx_inputs(x, x_bf16, M, K, wm != NULL);
+    const int sums = !wm ? 0 : !ws->b && bits == 4 ? 2 : 1; /* one-level 4-bit blocks: rounded x's sums */
+    amx_in_t in = amx_inputs(x, x_bf16, M, K, sums);
     int32_t *c128 = NULL; /* [mg][nb][2][16]: 128 x the block's sum of x (G = 16: each half's) */
     if (sgn) {
         c128 = (int32_t *)calloc((size_t)(mg * nb * 32), sizeof(int32_t));
@@ -3068,6 +3240,26 @@ int qgemm_int8_rows_q8(void) {
 #endif
 }
 
+/* the batch size from which auto stops taking gemm_i4m (int8 x per 32) for one-level 4-bit blocks on this thread
+ * (where AMX's bf16 tiles do not take them first) */
+int qgemm_int8_rows_4(void) {
+#ifdef WQ_AVX2
+    return rows_exact ? INT8_ROWS_Q8_EXACT : INT8_ROWS_4;
+#else
+    return 0; /* the portable build: float32 for every batch */
+#endif
+}
+
+/* whether auto takes the int8 vectors (gemm_vnni, int8 x per 32) for one-level 4-bit blocks from that batch size on
+ * (AVX-512 VNNI, while they are on); else gemm_i16b (int16 x) */
+int qgemm_int8_vectors_4(void) {
+#ifdef WQ_TILES
+    return vnni_state;
+#else
+    return 0;
+#endif
+}
+
 /* the batch size from which auto stops taking gemm_k for the two-level layouts (where AMX does not take them) */
 int qgemm_int8_rows_k(void) {
 #ifdef WQ_AVX2
@@ -3088,7 +3280,7 @@ int qgemm_int8_vectors_block_k(void) {
 }
 
 /* whether this thread's qgemm calls give each row of a batch the bits it gets alone where a path allows it (8-bit
- * blocks up to INT8_ROWS_Q8_EXACT rows): on while a step verifies drafts; returns the setting before */
+ * and one-level 4-bit blocks up to INT8_ROWS_Q8_EXACT rows): on while a step verifies drafts; returns the setting before */
 int qgemm_set_rows_exact(int on) {
     const int was = rows_exact;
     rows_exact = on;
@@ -3177,9 +3369,23 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         return;
     }
 #endif
+    if (act == ACT_AUTO && rows_exact && M < INT8_ROWS_Q8_EXACT && gemm_i4m_serves(bits, sgn, G, sfmt)) {
+        gemm_i4m(x, x_bf16, M, K, w, scales, &mn, bias, res, out, out_bf16, ldo, N); /* before AMX's bf16 tiles */
+        return;
+    }
 #ifdef WQ_AMX_BF16
     if (act == ACT_AUTO && M >= AMX_BF16Q_ROWS && gemm_amx_bf16q_serves(x_bf16, bits, sgn, G, sfmt) && amx_on()) {
         gemm_amx_bf16q((const uint16_t *)x, M, K, w, bits, G, scales, mins, bias, res, out, out_bf16, ldo, N);
+        return;
+    }
+#endif
+    if (act == ACT_AUTO && M < INT8_ROWS_4 && gemm_i4m_serves(bits, sgn, G, sfmt)) {
+        gemm_i4m(x, x_bf16, M, K, w, scales, &mn, bias, res, out, out_bf16, ldo, N);
+        return;
+    }
+#ifdef WQ_TILES
+    if (act == ACT_AUTO && vnni_state && gemm_i4m_serves(bits, sgn, G, sfmt)) { /* past gemm_i4m's rows */
+        gemm_vnni(x, x_bf16, M, K, w, bits, sgn, G, scales, mins, bias, res, out, out_bf16, ldo, N, NULL);
         return;
     }
 #endif
