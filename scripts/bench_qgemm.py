@@ -52,9 +52,10 @@ SHAPES = {
     "qwen3moe": {"qkv": (5120, 2048), "o": (2048, 4096), "expert_gate_up": (1536, 2048), "expert_down": (2048, 768)},
     "qwen3moe_head": {"head": (49152, 2048)},
 }
-# bits, group, signed, mins, two-level scales: Q4_0/Q4_1/--quantization int4; Q8_0/int8; Q4_K; Q6_K; Q5_K
+# bits, group, signed, mins, two-level scales: Q4_0/Q4_1/--quantization int4 (q4h: float16 scales, as a GGUF holds them); Q8_0/int8; Q4_K; Q6_K; Q5_K
 KINDS = {
     "q4": (4, 32, False, True, False),
+    "q4h": (4, 32, False, True, False),  # Q4_1 as a GGUF holds it: scales and mins in float16
     "q8": (8, 32, True, False, False),
     "q4k": (4, 32, False, True, True),
     "q6k": (8, 16, True, False, True),
@@ -79,6 +80,8 @@ def random_weight(kind: str, n: int, k: int, gen: torch.Generator) -> QuantWeigh
         return QuantWeight(q, scales, m, bits, group, signed, sup, supm)
     scales = torch.rand(n, k // group, generator=gen) * 0.01 + 0.001
     m = -torch.rand(n, k // group, generator=gen) * 0.05 if mins else None
+    if kind.endswith("h"):
+        scales, m = scales.half(), None if m is None else m.half()
     return QuantWeight(q, scales, m, bits, group, signed)
 
 
@@ -247,7 +250,7 @@ def main() -> None:
                     }
                     if args.int8:
                         fns["int8"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act=1))
-                    if w.sup is not None or kind in ("q8", "q4"):  # the default (q4: AMX bf16 tiles where there are)
+                    if w.sup is not None or kind in ("q8", "q4", "q4h"):  # the default (q4: AMX bf16 tiles where there are)
                         fns["auto"] = rotating(ws, lambda q, x=x, out=out: native.qgemm(x, q, out, act=2))
                     if flats:
                         fns["flat"] = rotating(flats, lambda q, x=x, out=out: native.qgemm(x, q, out))
