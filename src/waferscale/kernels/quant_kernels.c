@@ -1537,6 +1537,33 @@ static int gemm_i4m_serves(int bits, int sgn, int64_t G, int sfmt) {
     return bits == 4 && !sgn && G == QB && sfmt != SC_TWO_LEVEL;
 }
 
+/* blocks a pass of rows_i4m's loop: their scales formed together first */
+#define I4M_CHUNK 32
+
+/* 8 floats from p, n (1..8) of them, the rest 0 */
+static inline __attribute__((always_inline)) __m256 floats8(const float *p, int64_t n) {
+    if (n == 8) return _mm256_loadu_ps(p);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lanes));
+}
+
+/* 8 float32 scales (or mins) of a row from block j on, n (1..8) of them, the rest 0 (never read past the n) */
+static inline __attribute__((always_inline)) __m256 scales8(const sc_t *s, int64_t j, int64_t n) {
+    if (s->h) {
+        const uint16_t *p = s->h + j;
+        if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        __m128i v = _mm_insert_epi16(_mm_setzero_si128(), p[0], 0); /* inserted, not stored and reloaded */
+        if (n > 1) v = _mm_insert_epi16(v, p[1], 1);
+        if (n > 2) v = _mm_insert_epi16(v, p[2], 2);
+        if (n > 3) v = _mm_insert_epi16(v, p[3], 3);
+        if (n > 4) v = _mm_insert_epi16(v, p[4], 4);
+        if (n > 5) v = _mm_insert_epi16(v, p[5], 5);
+        if (n > 6) v = _mm_insert_epi16(v, p[6], 6);
+        return _mm256_cvtph_ps(v);
+    }
+    return s->f ? floats8(s->f + j, n) : _mm256_setzero_ps();
+}
+
 #ifdef WQ_512
 #ifdef __AVX512VNNI__
 #define DOT512_U8S8(u, s) _mm512_dpbusd_epi32(_mm512_setzero_si512(), (u), (s))
@@ -1553,7 +1580,7 @@ static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const 
                                                            const float *xg, int64_t K, float sums[I4M_R][4],
                                                            const int mt) {
     const int64_t nb = K / QB;
-    float cs[I4M_R][4][8];
+    float cs[I4M_R][4][I4M_CHUNK];
 #ifdef WQ_512
     /* two blocks a vector: A's 32 weights in lanes 0-7 (4 a lane), B's in 8-15, met by x's two blocks as they lie */
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -1566,9 +1593,23 @@ static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const 
     for (int r = 0; r < I4M_R; r++)
         for (int m = 0; m < mt; m++) acc[r][m] = _mm256_setzero_ps();
 #endif
-    for (int64_t c = 0; c < nb; c += 8) {
-        int64_t nblk = 0;
-        for (int r = 0; r < I4M_R; r++) nblk = block_scales(&sr[r], xs, nb, c, mt, 0, cs[r]);
+    for (int64_t c = 0; c < nb; c += I4M_CHUNK) {
+        const int64_t nblk = nb - c < I4M_CHUNK ? nb - c : I4M_CHUNK;
+        for (int64_t j8 = 0; j8 < nblk; j8 += 8) { /* the chunk's scales, and its mins met by x's sums */
+            const int64_t n8 = nblk - j8 < 8 ? nblk - j8 : 8;
+            for (int r = 0; r < I4M_R; r++) {
+                const __m256 s8 = scales8(&sr[r], c + j8, n8), m8 = scales8(&mr[r], c + j8, n8);
+                for (int m = 0; m < mt; m++) {
+                    _mm256_storeu_ps(&cs[r][m][j8], _mm256_mul_ps(s8, floats8(xs + m * nb + c + j8, n8)));
+                    const __m256 g = _mm256_mul_ps(m8, floats8(xg + m * nb + c + j8, n8));
+#ifdef WQ_512
+                    acc[r][m] = _mm512_add_ps(acc[r][m], _mm512_zextps256_ps512(g));
+#else
+                    acc[r][m] = _mm256_add_ps(acc[r][m], g);
+#endif
+                }
+            }
+        }
         int64_t j = 0;
 #ifdef WQ_512
         for (; j + 2 <= nblk; j += 2) {
@@ -1593,9 +1634,10 @@ static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const 
             const int64_t kb = (c + j) * QB, at = (c + j) * 16;
             for (int r = 0; r < I4M_R; r++) {
                 if (j % 4 == 0) _mm_prefetch((const char *)(wr[r] + at + I4M_R * K / 2), _MM_HINT_T0);
-                const __m128i raw = _mm_loadu_si128((const __m128i *)(wr[r] + at)), m4x = _mm_set1_epi8(0x0F);
-                const __m256i wv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(raw, m4x)),
-                                                           _mm_and_si128(_mm_srli_epi16(raw, 4), m4x), 1);
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(wr[r] + at));
+                const __m256i wv = _mm256_and_si256(
+                    _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
+                    _mm256_set1_epi8(0x0F));
                 for (int m = 0; m < mt; m++) {
                     const __m256 p =
                         _mm256_cvtepi32_ps(DOT_U8S8(wv, _mm256_loadu_si256((const __m256i *)(xq + m * K + kb))));
@@ -1612,9 +1654,9 @@ static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const 
     for (int r = 0; r < I4M_R; r++)
         for (int m = 0; m < mt; m++)
 #ifdef WQ_512
-            sums[r][m] = _mm512_reduce_add_ps(acc[r][m]) + mins_dot(&mr[r], xg + m * nb, nb);
+            sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
 #else
-            sums[r][m] = hsum(acc[r][m]) + mins_dot(&mr[r], xg + m * nb, nb);
+            sums[r][m] = hsum(acc[r][m]);
 #endif
 }
 
