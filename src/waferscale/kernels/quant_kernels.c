@@ -1528,6 +1528,7 @@ static void gemm_i16(const void *x, int x_bf16, int64_t M, int64_t K, const uint
 #else
 #define I4M_R 2 /* AVX2's 16 registers */
 #endif
+#define I4M_SHORT_K 1024
 /* from 8 rows, gemm_vnni's 16 rows a vector cost less (AVX-512 VNNI, 135M and 1B shapes); built for AVX2, gemm_i16b's
  * int16 passes cost about the same at 8 rows and less from 12 (gemm_i8v's more than either). A step verifying drafts
  * keeps this path up to INT8_ROWS_Q8_EXACT rows: each row the bits it gets alone. */
@@ -1575,29 +1576,29 @@ static inline __attribute__((always_inline)) __m256 scales8(const sc_t *s, int64
 /* sums[r][m] = x_m . w_r for I4M_R weight rows (wr[r], scales sr[r], mins mr[r]) and mt (1..4) input rows (xq int8
  * per 32, row stride K; xs their scales, xg their float32 sums per 32). Every row the same operations whatever mt:
  * a row's sum is the same for 1 to 4 input rows, and the same whichever pass and slot its weight row lands in. */
-static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const wr[I4M_R], const sc_t sr[I4M_R],
-                                                           const sc_t mr[I4M_R], const int8_t *xq, const float *xs,
-                                                           const float *xg, int64_t K, float sums[I4M_R][4],
-                                                           const int mt) {
+static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const wr[4], const sc_t sr[4],
+                                                           const sc_t mr[4], const int8_t *xq, const float *xs,
+                                                           const float *xg, int64_t K, float sums[4][4],
+                                                           const int mt, const int R) {
     const int64_t nb = K / QB;
-    float cs[I4M_R][4][I4M_CHUNK];
+    float cs[4][4][I4M_CHUNK];
 #ifdef WQ_512
     /* two blocks a vector: A's 32 weights in lanes 0-7 (4 a lane), B's in 8-15, met by x's two blocks as they lie */
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m512i pair_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 acc[I4M_R][4];
-    for (int r = 0; r < I4M_R; r++)
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
 #else
-    __m256 acc[I4M_R][4];
-    for (int r = 0; r < I4M_R; r++)
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++)
         for (int m = 0; m < mt; m++) acc[r][m] = _mm256_setzero_ps();
 #endif
     for (int64_t c = 0; c < nb; c += I4M_CHUNK) {
         const int64_t nblk = nb - c < I4M_CHUNK ? nb - c : I4M_CHUNK;
         for (int64_t j8 = 0; j8 < nblk; j8 += 8) { /* the chunk's scales, and its mins met by x's sums */
             const int64_t n8 = nblk - j8 < 8 ? nblk - j8 : 8;
-            for (int r = 0; r < I4M_R; r++) {
+            for (int r = 0; r < R; r++) {
                 const __m256 s8 = scales8(&sr[r], c + j8, n8), m8 = scales8(&mr[r], c + j8, n8);
                 for (int m = 0; m < mt; m++) {
                     _mm256_storeu_ps(&cs[r][m][j8], _mm256_mul_ps(s8, floats8(xs + m * nb + c + j8, n8)));
@@ -1616,8 +1617,8 @@ static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const 
             const int64_t kb = (c + j) * QB, at = (c + j) * 16;
             __m512i xv[4];
             for (int m = 0; m < mt; m++) xv[m] = _mm512_loadu_si512((const void *)(xq + m * K + kb));
-            for (int r = 0; r < I4M_R; r++) {
-                if (j % 4 == 0) _mm_prefetch((const char *)(wr[r] + at + I4M_R * K / 2), _MM_HINT_T0);
+            for (int r = 0; r < R; r++) {
+                if (j % 4 == 0) _mm_prefetch((const char *)(wr[r] + at + R * K / 2), _MM_HINT_T0);
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(wr[r] + at)); /* byte i: i, i + 16 */
                 const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
                 const __m512i lh = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); /* A lo, B lo, A hi, B hi */
@@ -1632,8 +1633,8 @@ static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const 
 #endif
         for (; j < nblk; j++) { /* one block a vector (AVX2; AVX-512: an odd chunk's last) */
             const int64_t kb = (c + j) * QB, at = (c + j) * 16;
-            for (int r = 0; r < I4M_R; r++) {
-                if (j % 4 == 0) _mm_prefetch((const char *)(wr[r] + at + I4M_R * K / 2), _MM_HINT_T0);
+            for (int r = 0; r < R; r++) {
+                if (j % 4 == 0) _mm_prefetch((const char *)(wr[r] + at + R * K / 2), _MM_HINT_T0);
                 const __m128i raw = _mm_loadu_si128((const __m128i *)(wr[r] + at));
                 const __m256i wv = _mm256_and_si256(
                     _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
@@ -1651,7 +1652,7 @@ static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const 
             }
         }
     }
-    for (int r = 0; r < I4M_R; r++)
+    for (int r = 0; r < R; r++)
         for (int m = 0; m < mt; m++)
 #ifdef WQ_512
             sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
@@ -1667,10 +1668,13 @@ static __attribute__((noinline)) void i4m_rows(const int8_t *xq, const float *xs
                                                int64_t n0, int64_t n1, const float *bias, const uint16_t *res,
                                                void *out, int out_bf16, int64_t ldo) {
     const int64_t nb = K / QB;
-    for (int64_t n = n0; n < n1; n += I4M_R) {
-        const uint8_t *wr[I4M_R];
-        sc_t sr[I4M_R], mr[I4M_R];
-        for (int r = 0; r < I4M_R; r++) {
+    /* one input row of short weight rows (K <= I4M_SHORT_K): 4 weight rows a pass with AVX2 too, a pass's fixed
+     * costs shared by more rows; longer rows keep 2, whose streams the memory serves better */
+    const int R = M == 1 && K <= I4M_SHORT_K ? 4 : I4M_R;
+    for (int64_t n = n0; n < n1; n += R) {
+        const uint8_t *wr[4];
+        sc_t sr[4], mr[4];
+        for (int r = 0; r < R; r++) {
             const int64_t nr = n + r < n1 ? n + r : n1 - 1;
             wr[r] = w + nr * row_bytes_of(4, K);
             sr[r] = sc_row(*ws, nr, nb);
@@ -1680,12 +1684,13 @@ static __attribute__((noinline)) void i4m_rows(const int8_t *xq, const float *xs
             const int64_t mt = M - m0 < 4 ? M - m0 : 4;
             const int8_t *xm = xq + m0 * K;
             const float *sm = xs + m0 * nb, *gm = xg + m0 * nb;
-            float sums[I4M_R][4];
-            if (mt == 4) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 4);
-            else if (mt == 3) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 3);
-            else if (mt == 2) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 2);
-            else rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 1);
-            for (int64_t r = 0; r < I4M_R && n + r < n1; r++)
+            float sums[4][4];
+            if (R == 4 && mt == 1) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 1, 4);
+            else if (mt == 4) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 4, I4M_R);
+            else if (mt == 3) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 3, I4M_R);
+            else if (mt == 2) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 2, I4M_R);
+            else rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 1, I4M_R);
+            for (int64_t r = 0; r < R && n + r < n1; r++)
                 for (int64_t i = 0; i < mt; i++) put(sums[r][i], m0 + i, n + r, bias, res, out, out_bf16, ldo);
         }
     }
