@@ -1573,7 +1573,7 @@ static inline __attribute__((always_inline)) __m256 scales8(const sc_t *s, int64
 #endif
 #endif
 
-/* sums[r][m] = x_m . w_r for I4M_R weight rows (wr[r], scales sr[r], mins mr[r]) and mt (1..4) input rows (xq int8
+/* sums[r][m] = x_m . w_r for R (I4M_R, or 4) weight rows (wr[r], scales sr[r], mins mr[r]) and mt (1..4) input rows (xq int8
  * per 32, row stride K; xs their scales, xg their float32 sums per 32). Every row the same operations whatever mt:
  * a row's sum is the same for 1 to 4 input rows, and the same whichever pass and slot its weight row lands in. */
 static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const wr[4], const sc_t sr[4],
@@ -1661,7 +1661,7 @@ static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const 
 #endif
 }
 
-/* rows n0 .. n1 (at most 4) of gemm_i4m for all M input rows, I4M_R weight rows a pass (a last pass short of rows
+/* rows n0 .. n1 (at most 4) of gemm_i4m for all M input rows, R weight rows a pass (a last pass short of rows
  * repeats the last one, whose sums are the same, and stores only the rows' own) */
 static __attribute__((noinline)) void i4m_rows(const int8_t *xq, const float *xs, const float *xg, int64_t M,
                                                int64_t K, const uint8_t *w, const sc_t *ws, const sc_t *wm,
