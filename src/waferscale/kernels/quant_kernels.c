@@ -1533,6 +1533,7 @@ static void gemm_i16(const void *x, int x_bf16, int64_t M, int64_t K, const uint
  * int16 passes cost about the same at 8 rows and less from 12 (gemm_i8v's more than either). A step verifying drafts
  * keeps this path up to INT8_ROWS_Q8_EXACT rows: each row the bits it gets alone. */
 #define INT8_ROWS_4 8
+static inline int rows_4(void) { return rows_exact ? INT8_ROWS_Q8_EXACT : INT8_ROWS_4; }
 
 static int gemm_i4m_serves(int bits, int sgn, int64_t G, int sfmt) {
     return bits == 4 && !sgn && G == QB && sfmt != SC_TWO_LEVEL;
@@ -3291,7 +3292,7 @@ int qgemm_int8_rows_q8(void) {
  * (where AMX's bf16 tiles do not take them first) */
 int qgemm_int8_rows_4(void) {
 #ifdef WQ_AVX2
-    return rows_exact ? INT8_ROWS_Q8_EXACT : INT8_ROWS_4;
+    return rows_4();
 #else
     return 0; /* the portable build: float32 for every batch */
 #endif
@@ -3416,7 +3417,7 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         return;
     }
 #endif
-    if (act == ACT_AUTO && rows_exact && M < INT8_ROWS_Q8_EXACT && gemm_i4m_serves(bits, sgn, G, sfmt)) {
+    if (act == ACT_AUTO && rows_exact && M < rows_4() && gemm_i4m_serves(bits, sgn, G, sfmt)) {
         gemm_i4m(x, x_bf16, M, K, w, scales, &mn, bias, res, out, out_bf16, ldo, N); /* before AMX's bf16 tiles */
         return;
     }
@@ -3426,7 +3427,7 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         return;
     }
 #endif
-    if (act == ACT_AUTO && M < INT8_ROWS_4 && gemm_i4m_serves(bits, sgn, G, sfmt)) {
+    if (act == ACT_AUTO && M < rows_4() && gemm_i4m_serves(bits, sgn, G, sfmt)) {
         gemm_i4m(x, x_bf16, M, K, w, scales, &mn, bias, res, out, out_bf16, ldo, N);
         return;
     }
