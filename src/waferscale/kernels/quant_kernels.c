@@ -1520,9 +1520,12 @@ static void gemm_i16(const void *x, int x_bf16, int64_t M, int64_t K, const uint
  * rows: activations int8 per 32 as llama.cpp multiplies Q4_1 by Q8_1 and as the int8 mode rounds them, each block's
  * integer dot (u8 nibbles x s8) scaled once by the weight's and x's scales, the mins met by x's float32 sums per 32.
  * Against gemm_i16 (int16 x, 32 products an instruction) a 512-bit vpdpbusd takes two blocks (64 products): its
- * row kernels were bound by their vector instructions, not by memory. I4M_R weight rows a pass, side by side: a
- * short row (K 576: 18 blocks) is otherwise one chain of dependent FMAs; each row asks for its line of the next
- * pass's rows (the next I4M_R rows lie right after them), a pass ahead. */
+ * row kernels were bound by their vector instructions, not by memory. Built for AVX2, two blocks a vector too: one
+ * 256-bit load holds both blocks' nibbles, their low and high halves meet x laid out for it once a call
+ * (i4m_pairs), and the two vpmaddubsw are summed in int16 before one vpmaddwd, one conversion and one FMA for both
+ * (about half the instructions of one block a vector). I4M_R weight rows a pass, side by side: a short row (K 576:
+ * 18 blocks) is otherwise one chain of dependent FMAs; each row asks for its line of the next pass's rows (the next
+ * I4M_R rows lie right after them), a pass ahead. */
 #ifdef WQ_512
 #define I4M_R 4
 #else
@@ -1631,8 +1634,32 @@ static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const 
                 }
             }
         }
+#else
+        /* two blocks a vector: their low nibbles (weights 0-15 of each) met by x's first halves, the high nibbles by
+         * the second halves, as i4m_pairs lays x out; the two products summed in int16 (at most 2 * 2 * 15 * 128) */
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        const __m256i pair_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+        for (; j + 2 <= nblk; j += 2) {
+            const int64_t kb = (c + j) * QB, at = (c + j) * 16;
+            for (int r = 0; r < R; r++) {
+                if (j % 4 == 0) _mm_prefetch((const char *)(wr[r] + at + R * K / 2), _MM_HINT_T0);
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(wr[r] + at)); /* blocks j, j + 1 */
+                const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                for (int m = 0; m < mt; m++) {
+                    const int8_t *xp = xq + m * K + kb;
+                    const __m256i p16 =
+                        _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)),
+                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 32))));
+                    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+                    const __m256 sc = _mm256_permutevar8x32_ps(
+                        _mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)&cs[r][m][j]))),
+                        pair_idx);
+                    acc[r][m] = _mm256_fmadd_ps(p, sc, acc[r][m]);
+                }
+            }
+        }
 #endif
-        for (; j < nblk; j++) { /* one block a vector (AVX2; AVX-512: an odd chunk's last) */
+        for (; j < nblk; j++) { /* one block a vector (an odd chunk's last) */
             const int64_t kb = (c + j) * QB, at = (c + j) * 16;
             for (int r = 0; r < R; r++) {
                 if (j % 4 == 0) _mm_prefetch((const char *)(wr[r] + at + R * K / 2), _MM_HINT_T0);
@@ -1697,6 +1724,21 @@ static __attribute__((noinline)) void i4m_rows(const int8_t *xq, const float *xs
     }
 }
 
+#ifndef WQ_512
+/* x's int8 rows [M, K] laid out in place for rows_i4m's AVX2 pairs: each pair of blocks (2p, 2p + 1) as the first
+ * 16 values of both, then the last 16 of both; an odd last block as it is */
+static void i4m_pairs(int8_t *xq, int64_t M, int64_t K) {
+    const int64_t nb = K / QB;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j + 2 <= nb; j += 2) {
+            int8_t *p = xq + m * K + j * QB;
+            const __m256i a = _mm256_loadu_si256((const __m256i *)p), b = _mm256_loadu_si256((const __m256i *)(p + 32));
+            _mm256_storeu_si256((__m256i *)p, _mm256_permute2x128_si256(a, b, 0x20));
+            _mm256_storeu_si256((__m256i *)(p + 32), _mm256_permute2x128_si256(a, b, 0x31));
+        }
+}
+#endif
+
 static void gemm_i4m(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const sc_t *ws,
                      const sc_t *wm, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
                      int64_t N) {
@@ -1706,6 +1748,9 @@ static void gemm_i4m(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     float *xg = (float *)malloc((size_t)(M * nb) * sizeof(float));
     quantize_rows(x, x_bf16, M, K, QB, xq, xs, NULL, NULL);
     rounded_sums(xq, xs, M, K, xg);
+#ifndef WQ_512
+    i4m_pairs(xq, M, K);
+#endif
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n0 = 4 * g, n1 = n0 + 4 < N ? n0 + 4 : N;
