@@ -362,8 +362,9 @@ def test_a_step_verifying_drafts_gives_each_row_of_int8_blocks_what_it_gets_alon
     """A speculative verification step (rows_exact) multiplies 8-bit blocks and one-level 4-bit blocks row by row up
     to 11 rows, as one row is (otherwise the vectors take 8-bit batches from 5 rows with AVX-512 VNNI, and 4-bit ones
     from INT8_ROWS_4, summing each block's products otherwise), so a draft's row gets the numbers decoding it alone
-    gets; the setting is undone after. K 608: an odd number of blocks."""
-    n, k, rows = 40, 608, 11
+    gets; the setting is undone after. K 608: an odd number of blocks; N 42: one row's last pass of 4 weight rows
+    holds 2."""
+    n, k, rows = 42, 608, 11
     w = from_gguf(random_blocks(kind, n, k, seed=3), kind, n, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)).bfloat16()
     y, one = torch.empty(rows, n), torch.empty(1, n)

@@ -1286,52 +1286,85 @@ static inline __attribute__((always_inline)) int64_t block_scales(const sc_t *ws
     return nblk;
 }
 
+#define Q8_SHORT_K 1024
+/* Weight rows a pass side by side read as many streams, which the hardware prefetchers follow poorly here (2-core Zen
+ * 3 EPYC: one row of gemm_q8's 4-row passes took 1.8x the time from memory without a software prefetch): the rows'
+ * kernels ask for the rows this many passes ahead, in address order, as far as they read a pass */
+#define PF_PASSES 2
 /* signed blocks of 32 without mins (Q8_0, --quantization int8; Q5_0 in its 5 bits) below INT8_ROWS_Q8 rows, activations int8 per
  * 32 as llama.cpp multiplies Q8_0 by Q8_0: per block an integer dot product (dpbusd with VNNI, maddubs + madd without),
- * turned to float32 and scaled by the weight's and x's scales, formed for 8 blocks at a time. */
-static inline __attribute__((always_inline)) void row_q8(const uint8_t *w, const sc_t *ws, const int8_t *xq,
-                                                         const float *xs, int64_t K, float sums[4], const int mt,
-                                                         const int bits) {
-    const int64_t nb = K / QB;
-    __m256 acc[4];
-    float cs[4][8];
-    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
+ * turned to float32 and scaled by the weight's and x's scales, formed for 8 blocks at a time. sums[r][m] for R weight
+ * rows (wr[r], scales sr[r]) side by side and mt input rows: each weight row the same operations whatever R and mt
+ * (one input row takes 4 weight rows a pass: a row is otherwise one chain of dependent FMAs, and a short one, as a
+ * head of K 576, mostly its ends). */
+static inline __attribute__((always_inline)) void rows_q8x(const uint8_t *const wr[4], const sc_t sr[4],
+                                                           const int8_t *xq, const float *xs, int64_t K,
+                                                           float sums[4][4], const int mt, const int R,
+                                                           const int bits) {
+    const int64_t nb = K / QB, rb = row_bytes_of(bits, K);
+    const uint8_t *next = wr[0] + PF_PASSES * R * rb; /* R > 1: the rows ahead */
+    __m256 acc[4][4];
+    float cs[4][4][8];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm256_setzero_ps();
     for (int64_t c = 0; c < nb; c += 8) {
-        const int64_t nblk = block_scales(ws, xs, nb, c, mt, 1, cs);
+        int64_t nblk = 0;
+        for (int r = 0; r < R; r++) nblk = block_scales(&sr[r], xs, nb, c, mt, 1, cs[r]);
         for (int64_t j = 0; j < nblk; j++) {
             const int64_t kb = (c + j) * QB, at = (c + j) * BLOCK_BYTES(bits);
-            if (j % 2 == 0) _mm_prefetch((const char *)(w + at + PF_AHEAD), _MM_HINT_T0);
-            const __m256i wv = block_bytes(w + at, bits, 1);
-            const __m256i wu = _mm256_sign_epi8(wv, wv);
-            for (int m = 0; m < mt; m++) {
-                const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + m * K + kb)), wv);
-                const __m256 p = _mm256_cvtepi32_ps(DOT_U8S8(wu, xv));
-                acc[m] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&cs[m][j]), acc[m]);
+            if (R == 1 && j % 2 == 0) _mm_prefetch((const char *)(wr[0] + at + PF_AHEAD), _MM_HINT_T0);
+            if (R > 1) /* a block's bytes of R rows ahead */
+                for (int64_t l = 0; l < R * BLOCK_BYTES(bits); l += 64)
+                    _mm_prefetch((const char *)(next + (c + j) * R * BLOCK_BYTES(bits) + l), _MM_HINT_T0);
+            for (int r = 0; r < R; r++) {
+                const __m256i wv = block_bytes(wr[r] + at, bits, 1);
+                const __m256i wu = _mm256_sign_epi8(wv, wv);
+                for (int m = 0; m < mt; m++) {
+                    const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + m * K + kb)), wv);
+                    const __m256 p = _mm256_cvtepi32_ps(DOT_U8S8(wu, xv));
+                    acc[r][m] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&cs[r][m][j]), acc[r][m]);
+                }
             }
         }
     }
-    for (int m = 0; m < mt; m++) sums[m] = hsum(acc[m]);
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) sums[r][m] = hsum(acc[r][m]);
 }
 
+/* rows n0 .. n1 (at most 4) of gemm_q8 for all M input rows: one input row of short weight rows takes them in one
+ * pass (a short pass repeats its last row, whose sums are the same, and stores only the rows' own); otherwise one by
+ * one (the longer rows of a 1B model read from memory faster one stream at a time) */
 #define Q8ROWS_FN(BITS)                                                                                          \
     static __attribute__((noinline)) void q8rows_##BITS(const int8_t *xq, const float *xs, int64_t M, int64_t K,  \
                                                         const uint8_t *w, const sc_t *ws, int64_t n0, int64_t n1, \
                                                         const float *bias, const uint16_t *res, void *out,        \
                                                         int out_bf16, int64_t ldo) {                              \
         const int64_t nb = K / QB;                                                                                \
+        const uint8_t *wr[4];                                                                                     \
+        sc_t sr[4];                                                                                               \
+        float sums[4][4];                                                                                         \
+        if (M == 1 && K <= Q8_SHORT_K) {                                                                          \
+            for (int r = 0; r < 4; r++) {                                                                         \
+                const int64_t nr = n0 + r < n1 ? n0 + r : n1 - 1;                                                 \
+                wr[r] = w + nr * row_bytes_of(BITS, K);                                                           \
+                sr[r] = sc_row(*ws, nr, nb);                                                                      \
+            }                                                                                                     \
+            rows_q8x(wr, sr, xq, xs, K, sums, 1, 4, BITS);                                                        \
+            for (int64_t n = n0; n < n1; n++) put(sums[n - n0][0], 0, n, bias, res, out, out_bf16, ldo);          \
+            return;                                                                                               \
+        }                                                                                                         \
         for (int64_t n = n0; n < n1; n++)                                                                         \
             for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                               \
                 const int64_t mt = M - m0 < 4 ? M - m0 : 4;                                                       \
-                const sc_t sr = sc_row(*ws, n, nb);                                                               \
-                const uint8_t *wn = w + n * row_bytes_of(BITS, K);                                                \
+                wr[0] = w + n * row_bytes_of(BITS, K);                                                            \
+                sr[0] = sc_row(*ws, n, nb);                                                                       \
                 const int8_t *xm = xq + m0 * K;                                                                   \
                 const float *sm = xs + m0 * nb;                                                                   \
-                float sums[4];                                                                                    \
-                if (mt == 4) row_q8(wn, &sr, xm, sm, K, sums, 4, BITS);                                           \
-                else if (mt == 3) row_q8(wn, &sr, xm, sm, K, sums, 3, BITS);                                      \
-                else if (mt == 2) row_q8(wn, &sr, xm, sm, K, sums, 2, BITS);                                      \
-                else row_q8(wn, &sr, xm, sm, K, sums, 1, BITS);                                                   \
-                for (int64_t i = 0; i < mt; i++) put(sums[i], m0 + i, n, bias, res, out, out_bf16, ldo);          \
+                if (mt == 4) rows_q8x(wr, sr, xm, sm, K, sums, 4, 1, BITS);                                       \
+                else if (mt == 3) rows_q8x(wr, sr, xm, sm, K, sums, 3, 1, BITS);                                  \
+                else if (mt == 2) rows_q8x(wr, sr, xm, sm, K, sums, 2, 1, BITS);                                  \
+                else rows_q8x(wr, sr, xm, sm, K, sums, 1, 1, BITS);                                               \
+                for (int64_t i = 0; i < mt; i++) put(sums[0][i], m0 + i, n, bias, res, out, out_bf16, ldo);       \
             }                                                                                                     \
     }
 Q8ROWS_FN(8) Q8ROWS_FN(5)
@@ -1641,8 +1674,11 @@ static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const 
         const __m256i pair_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
         for (; j + 2 <= nblk; j += 2) {
             const int64_t kb = (c + j) * QB, at = (c + j) * 16;
+            if (j % 4 == 0) /* the rows PF_PASSES passes ahead, in address order: 4 blocks' bytes of R rows */
+                for (int l = 0; l < R; l++)
+                    _mm_prefetch((const char *)(wr[0] + PF_PASSES * R * (K / 2) + (c + j) * R * 16 + 64 * l),
+                                 _MM_HINT_T0);
             for (int r = 0; r < R; r++) {
-                if (j % 4 == 0) _mm_prefetch((const char *)(wr[r] + at + R * K / 2), _MM_HINT_T0);
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(wr[r] + at)); /* blocks j, j + 1 */
                 const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
                 for (int m = 0; m < mt; m++) {
