@@ -97,6 +97,7 @@ class CausalLM(nn.Module):
         # layers cannot run natively (set by process_weights_after_loading)
         self.decode_layers: list | None = None
         self.decode_rows: int | None = None
+        self.decode_windows = [layer.self_attn.window for layer in self.layers]  # read by every decode step
         self._native_calls: tuple | None = None  # (weakref to a KV pool, its layer_calls): _layer_calls
 
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
@@ -122,8 +123,7 @@ class CausalLM(nn.Module):
             and kv.can_fuse_decode(h.shape[0], self.cfg.head_dim)
         ):  # decode rows only: native calls in place on h (the modules' kernels, bit for bit)
             if kv.interrupt is None:  # no check to make between layers: all of them in one native call
-                windows = [layer.self_attn.window for layer in self.layers]
-                fused_decode_layers(kv, h, ropes, windows, self._layer_calls(kv))
+                fused_decode_layers(kv, h, ropes, self.decode_windows, self._layer_calls(kv))
                 return self.norm(h)
             for i, weights in enumerate(self.decode_layers):
                 kv.check_interrupt()
