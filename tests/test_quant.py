@@ -375,6 +375,9 @@ def test_a_step_verifying_drafts_gives_each_row_of_int8_blocks_what_it_gets_alon
     with native.rows_exact():
         assert limit() == 12
         native.qgemm(x, w, y, act=AUTO)
+        pair = torch.empty(2, n)  # two rows: a pass of 4 weight rows with AVX2 too, as one row takes
+        native.qgemm(x[:2].contiguous(), w, pair, act=AUTO)
+        assert torch.equal(pair, y[:2])
         for r in range(rows):
             native.qgemm(x[r : r + 1].contiguous(), w, one, act=AUTO)
             assert torch.equal(one[0], y[r]), r

@@ -1732,9 +1732,10 @@ static __attribute__((noinline)) void i4m_rows(const int8_t *xq, const float *xs
                                                int64_t n0, int64_t n1, const float *bias, const uint16_t *res,
                                                void *out, int out_bf16, int64_t ldo) {
     const int64_t nb = K / QB;
-    /* one input row of short weight rows (K <= I4M_SHORT_K): 4 weight rows a pass with AVX2 too, a pass's fixed
-     * costs shared by more rows; longer rows keep 2, whose streams the memory serves better */
-    const int R = M == 1 && K <= I4M_SHORT_K ? 4 : I4M_R;
+    /* one or two input rows of short weight rows (K <= I4M_SHORT_K): 4 weight rows a pass with AVX2 too, a pass's
+     * fixed costs shared by more rows (3-4 input rows gained nothing: their sums spill); longer rows keep 2, whose
+     * streams the memory serves better */
+    const int R = M <= 2 && K <= I4M_SHORT_K ? 4 : I4M_R;
     for (int64_t n = n0; n < n1; n += R) {
         const uint8_t *wr[4];
         sc_t sr[4], mr[4];
@@ -1750,6 +1751,7 @@ static __attribute__((noinline)) void i4m_rows(const int8_t *xq, const float *xs
             const float *sm = xs + m0 * nb, *gm = xg + m0 * nb;
             float sums[4][4];
             if (R == 4 && mt == 1) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 1, 4);
+            else if (R == 4 && mt == 2) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 2, 4);
             else if (mt == 4) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 4, I4M_R);
             else if (mt == 3) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 3, I4M_R);
             else if (mt == 2) rows_i4m(wr, sr, mr, xm, sm, gm, K, sums, 2, I4M_R);
