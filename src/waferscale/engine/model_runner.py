@@ -91,15 +91,13 @@ class ModelRunner:
         bs = self.block_size
         writes: list[torch.Tensor] = []
         tables = lengths = None
-        if rows:
-            firsts = [seq.dropped[k] for seq, _, _ in rows]
-            width = max(len(s.block_tables[k]) - f for (s, _, _), f in zip(rows, firsts))
-            tables = torch.zeros(len(rows), width, dtype=torch.long)
-            for i, ((seq, _, _), f) in enumerate(zip(rows, firsts)):
-                live = seq.block_tables[k][f:]
-                tables[i, : len(live)] = torch.tensor(live)
-            lengths = torch.tensor([p + 1 - f * bs for (_, p, _), f in zip(rows, firsts)])
-            writes.append(tables[torch.arange(len(rows)), (lengths - 1) // bs])
+        if rows:  # lists first, then one tensor each: a decode step's few rows cost more in ops than in data
+            lives = [seq.block_tables[k][seq.dropped[k] :] for seq, _, _ in rows]
+            width = max(map(len, lives))
+            tables = torch.tensor([live + [0] * (width - len(live)) for live in lives], dtype=torch.long)
+            ends = [p + 1 - seq.dropped[k] * bs for seq, p, _ in rows]
+            lengths = torch.tensor(ends)
+            writes.append(torch.tensor([live[(n - 1) // bs] for live, n in zip(lives, ends)], dtype=torch.long))
         prefills = []
         for seq, first_row, start, end in chunks:
             f = seq.dropped[k]
