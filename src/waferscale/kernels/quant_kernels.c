@@ -1314,8 +1314,7 @@ static inline __attribute__((always_inline)) void rows_q8x(const uint8_t *const 
             const int64_t kb = (c + j) * QB, at = (c + j) * BLOCK_BYTES(bits);
             if (R == 1 && j % 2 == 0) _mm_prefetch((const char *)(wr[0] + at + PF_AHEAD), _MM_HINT_T0);
             if (R > 1) /* a block's bytes of R rows ahead */
-                for (int64_t l = 0; l < R * BLOCK_BYTES(bits); l += 64)
-                    _mm_prefetch((const char *)(next + (c + j) * R * BLOCK_BYTES(bits) + l), _MM_HINT_T0);
+                prefetch_rows(next, 0, 0, 1, (c + j) * R * BLOCK_BYTES(bits), (c + j + 1) * R * BLOCK_BYTES(bits));
             for (int r = 0; r < R; r++) {
                 const __m256i wv = block_bytes(wr[r] + at, bits, 1);
                 const __m256i wu = _mm256_sign_epi8(wv, wv);
@@ -1557,8 +1556,9 @@ static void gemm_i16(const void *x, int x_bf16, int64_t M, int64_t K, const uint
  * 256-bit load holds both blocks' nibbles, their low and high halves meet x laid out for it once a call
  * (i4m_pairs), and the two vpmaddubsw are summed in int16 before one vpmaddwd, one conversion and one FMA for both
  * (about half the instructions of one block a vector). I4M_R weight rows a pass, side by side: a short row (K 576:
- * 18 blocks) is otherwise one chain of dependent FMAs; each row asks for its line of the next pass's rows (the next
- * I4M_R rows lie right after them), a pass ahead. */
+ * 18 blocks) is otherwise one chain of dependent FMAs. With AVX-512 each row asks for its line of the next pass's
+ * rows (the next rows lie right after them), a pass ahead; with AVX2 the pass asks for the rows PF_PASSES passes
+ * ahead in address order. */
 #ifdef WQ_512
 #define I4M_R 4
 #else
@@ -1675,9 +1675,7 @@ static inline __attribute__((always_inline)) void rows_i4m(const uint8_t *const 
         for (; j + 2 <= nblk; j += 2) {
             const int64_t kb = (c + j) * QB, at = (c + j) * 16;
             if (j % 4 == 0) /* the rows PF_PASSES passes ahead, in address order: 4 blocks' bytes of R rows */
-                for (int l = 0; l < R; l++)
-                    _mm_prefetch((const char *)(wr[0] + PF_PASSES * R * (K / 2) + (c + j) * R * 16 + 64 * l),
-                                 _MM_HINT_T0);
+                prefetch_rows(wr[0] + PF_PASSES * R * (K / 2), 0, 0, 1, (c + j) * R * 16, (c + j + 4) * R * 16);
             for (int r = 0; r < R; r++) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(wr[r] + at)); /* blocks j, j + 1 */
                 const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
