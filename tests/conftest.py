@@ -22,6 +22,16 @@ os.environ.setdefault("WAFERSCALE_CACHE_DIR", str(ROOT / ".cache" / "waferscale"
 os.environ.setdefault("WAFERSCALE_DATA_DIR", str(ROOT / ".cache" / "data"))  # files and batches of every server
 
 
+def fresh_cache(tmp_path: Path) -> Path:
+    """An empty model cache that shares the suite's compiled kernels (compiling them is not what these tests test,
+    and takes a core for ~25 s a build)."""
+    shared = Path(os.environ["WAFERSCALE_CACHE_DIR"]) / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(shared)
+    return tmp_path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

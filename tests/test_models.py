@@ -6,12 +6,11 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import MODEL, Server
+from conftest import MODEL, Server, fresh_cache
 
 from waferscale.engine import LLMEngine, SamplingParams
 from waferscale.engine.kv_cache import KVPool, prefill_batch
@@ -114,17 +113,6 @@ def test_one_code_path_matches_transformers_per_architecture(kind, tmp_path, hf_
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0]
     assert torch.allclose(our_logits(ours, ids), theirs, atol=1e-4, rtol=1e-4)
-
-
-def fresh_cache(tmp_path: Path) -> Path:
-    """An empty model cache that shares the suite's compiled kernels (compiling them is not what these tests test,
-    and takes a core for ~15 s)."""
-    import os
-
-    shared = Path(os.environ["WAFERSCALE_CACHE_DIR"]) / "kernels"
-    shared.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "kernels").symlink_to(shared)
-    return tmp_path
 
 
 def test_converted_copy_is_cached_and_reused(tmp_path, monkeypatch):

@@ -555,7 +555,7 @@ def test_a_gguf_whose_conversion_does_not_fit_on_disk_is_refused_before_writing(
 def test_served_through_the_cerebras_sdk_from_a_folder_and_a_gguf(qwen3_moe, hf_tokenizer, tmp_path, source):
     """`waferscale serve --model` on a Qwen3-MoE folder and on a qwen3moe GGUF: a greedy completion through the
     official SDK is transformers' greedy continuation."""
-    from conftest import Server, cerebras_for
+    from conftest import Server, cerebras_for, fresh_cache
     from transformers import AutoModelForCausalLM
 
     if source == "folder":
@@ -570,7 +570,8 @@ def test_served_through_the_cerebras_sdk_from_a_folder_and_a_gguf(qwen3_moe, hf_
     ids = _prompt(20)
     want_tokens, _ = _theirs(ref, ids)
     server = Server("--model", str(path), "--served-model-name", "tiny-moe", "--dtype", "float32",
-                    "--kv-cache-memory", "32MiB", "--speculative", "none", env={"WAFERSCALE_CACHE_DIR": str(tmp_path / "cache")})
+                    "--kv-cache-memory", "32MiB", "--speculative", "none",
+                    env={"WAFERSCALE_CACHE_DIR": str(fresh_cache(tmp_path / "cache"))})
     try:
         with cerebras_for(server.url) as client:
             out = client.completions.create(

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import fresh_cache
 from gguf.quants import dequantize
 
 from waferscale import kernels
@@ -488,17 +489,19 @@ if {variant!r} == "avx2":  # the AVX2 int8 vectors sum as the tiles do
     from test_quant import _check_tile_sums
     for kind in ("Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"):
         _check_tile_sums(kind, "vectors")
-print("build ok")
+print("build ok", lib.lib._name)
 """
-    env = dict(os.environ, WAFERSCALE_NATIVE_KERNELS=variant, WAFERSCALE_CACHE_DIR=str(tmp_path))
+    # the suite's kernel cache: this build is compiled once a suite (test_gpt_oss's kernel tests load it too)
+    env = dict(os.environ, WAFERSCALE_NATIVE_KERNELS=variant, WAFERSCALE_CACHE_DIR=str(fresh_cache(tmp_path)))
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "build ok" in done.stdout
-    (so,) = (tmp_path / "kernels").glob("*.so")
+    so = done.stdout.split("build ok ")[1].split()[0]
+    assert so != native.lib._name  # its own build, not the native one
     if shutil.which("objdump"):
-        code = subprocess.run(["objdump", "-d", str(so)], capture_output=True).stdout
+        code = subprocess.run(["objdump", "-d", so], capture_output=True).stdout
         # the portable build has no AVX2 integer dot products in it (the compiler may still vectorise its plain
         # C for this CPU); the AVX2 one has them, and no AVX-512 or AMX register
         assert (b"vpmaddubsw" in code) == (variant == "avx2")

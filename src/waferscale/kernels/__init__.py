@@ -9,6 +9,7 @@ returns None and callers use plain PyTorch ops.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import functools
@@ -81,6 +82,10 @@ def _cpu_signature() -> str:
     return "\n".join(wanted)
 
 
+def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
 def _build(compiler: str, variant: str = "native") -> Path:
     """Compile the kernels into the cache (once per source, compiler, CPU and variant: see VARIANT_FLAGS); returns
     the library's path."""
@@ -99,10 +104,12 @@ def _build(compiler: str, variant: str = "native") -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objs = [Path(tmp) / f"{s.stem}.o" for s in sources]
         out = Path(tmp) / target.name
-        cmds = [[compiler, *flags, "-c", str(s), "-o", str(o)] for s, o in zip(sources, objs)]
-        cmds.append([compiler, *LINK_FLAGS, *map(str, objs), "-o", str(out), "-lm"])
-        for cmd in cmds:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        compiles = [[compiler, *flags, "-c", str(s), "-o", str(o)] for s, o in zip(sources, objs)]
+        # the sources compile side by side (the first start waits for the slowest, not the sum), then link
+        with concurrent.futures.ThreadPoolExecutor(len(compiles)) as pool:
+            results = list(pool.map(_compile, compiles))
+        results.append(_compile([compiler, *LINK_FLAGS, *map(str, objs), "-o", str(out), "-lm"]))
+        for done in results:
             if done.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.replace(out, target)  # atomic: concurrent servers never load a half-written file
