@@ -31,6 +31,8 @@ log = logging.getLogger("waferscale.kernels")
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")  # int8/int4 weight-only GEMMs (models/quant/)
 MXFP4_SOURCE = Path(__file__).with_name("mxfp4_kernels.c")  # MXFP4 blocks (gpt-oss's experts)
+# the compile units: quant_kernels.c, the largest source, in two halves (its WQ_PART) that compile side by side
+UNITS = [(SOURCE, []), (QUANT_SOURCE, ["-DWQ_PART=1"]), (QUANT_SOURCE, ["-DWQ_PART=2"]), (MXFP4_SOURCE, [])]
 # -ffast-math at compile time only (vectorised expf, reassociated sums): linking with it would add crtfastmath.o,
 # whose constructor turns on flush-to-zero for the whole process
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -94,7 +96,7 @@ def _build(compiler: str, variant: str = "native") -> Path:
     sources = [SOURCE, QUANT_SOURCE, MXFP4_SOURCE]
     key = hashlib.sha256(
         "\0".join(
-            [*(s.read_text() for s in sources), version, _cpu_signature(), " ".join(flags + LINK_FLAGS)]
+            [*(s.read_text() for s in sources), version, _cpu_signature(), " ".join(flags + LINK_FLAGS), repr(UNITS)]
         ).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
@@ -102,10 +104,10 @@ def _build(compiler: str, variant: str = "native") -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objs = [Path(tmp) / f"{s.stem}.o" for s in sources]
+        objs = [Path(tmp) / f"{source.stem}{i}.o" for i, (source, _) in enumerate(UNITS)]
         out = Path(tmp) / target.name
-        compiles = [[compiler, *flags, "-c", str(s), "-o", str(o)] for s, o in zip(sources, objs)]
-        # the sources compile side by side (the first start waits for the slowest, not the sum), then link
+        compiles = [[compiler, *flags, *defs, "-c", str(s), "-o", str(o)] for (s, defs), o in zip(UNITS, objs)]
+        # the units compile side by side (the first start waits for the slowest, not the sum), then link
         with concurrent.futures.ThreadPoolExecutor(len(compiles)) as pool:
             results = list(pool.map(_compile, compiles))
         results.append(_compile([compiler, *LINK_FLAGS, *map(str, objs), "-o", str(out), "-lm"]))

@@ -52,6 +52,20 @@
 #endif
 #endif
 
+/* The build compiles this file as two units side by side (kernels/__init__.py: -DWQ_PART=1 and -DWQ_PART=2), each
+ * with every helper: part 2 the kernels marked WQ_PART2_KERNEL (the row paths gemm_small, gemm_k, gemm_q8 and the
+ * batches on int8 vectors and tiles), part 1 the float32 panels, the dispatcher and the exported entry points, which
+ * call part 2's kernels through their declarations. About as long to compile each, so a first start waits for half
+ * the file. Without WQ_PART the file is one unit. */
+#ifndef WQ_PART
+#define WQ_PART 0
+#endif
+#if WQ_PART
+#define WQ_PART2_KERNEL __attribute__((visibility("hidden")))
+#else
+#define WQ_PART2_KERNEL static
+#endif
+
 #define QB 32 /* activation block: K must be a multiple of it */
 #define MT 4  /* input rows per pass over a weight row (the row stays in L1 between passes) */
 /* set by the thread that runs a step verifying speculative drafts (qgemm_set_rows_exact): 8-bit blocks then keep
@@ -766,7 +780,8 @@ static void row_scaled_p(const uint8_t *w, const sc_t *ws, const sc_t *wm, int64
 #endif
 
 /* few rows (M < PANEL_ROWS): a group of 4 weight rows a task */
-static void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn,
+#if WQ_PART != 1
+WQ_PART2_KERNEL void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn,
                        int64_t G, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
                        int out_bf16, int64_t ldo, int64_t N) {
     const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K), groups = (N + 3) / 4;
@@ -794,6 +809,7 @@ static void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, c
 #endif
     }
 }
+#endif
 
 /* ask for the bytes [lo, hi) of rows n0 .. n1 of a [N, row] byte array ahead of their use: a task reads its rows a
  * chunk at a time, 16 or 32 short pieces far apart, which the hardware prefetchers do not follow */
@@ -1239,7 +1255,8 @@ static int gemm_k_serves(int bits, int sgn, int64_t G, int sfmt, int64_t K) {
            (bits == 8 && !sgn && G == 32);
 }
 
-static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
+#if WQ_PART != 1
+WQ_PART2_KERNEL void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
                    const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out, int out_bf16,
                    int64_t ldo, int64_t N) {
     const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K), groups = (N + 3) / 4;
@@ -1272,6 +1289,7 @@ static void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
     free(xd4);
     free(xbf);
 }
+#endif
 
 /* cs[m][j] = weight scale x row m's scale of blocks c .. c + 7 (fewer at the row's end) for mt input rows (xs: [mt,
  * nb] per 32): the scales of row_q8's and row_i16's integer block sums; returns how many blocks */
@@ -1372,7 +1390,8 @@ static int gemm_q8_serves(int bits, int sgn, int64_t G, int sfmt, const void *mi
     return (bits == 8 || bits == 5) && sgn && G == QB && sfmt != SC_TWO_LEVEL && !mins;
 }
 
-static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+#if WQ_PART != 1
+WQ_PART2_KERNEL void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                     const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
                     int64_t N) {
     const int64_t groups = (N + 3) / 4;
@@ -1388,6 +1407,7 @@ static void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     free(xq);
     free(xs);
 }
+#endif
 
 /* One-level blocks of 32 with mins (Q4_0, Q4_1 and --quantization int4 as 4-bit; Q5_1 as 5-bit or a byte) below PANEL_ROWS
  * rows: activations rounded to int16 per 32 (step max|x| / 32767, 256 times finer than int8's: below bf16's own
@@ -2287,7 +2307,8 @@ static __attribute__((noinline)) void vnni_rows8(const uint8_t *wide, int64_t K,
     }
 }
 
-static void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+#if WQ_PART != 1
+WQ_PART2_KERNEL void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                       const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
                       const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
     const int64_t nb = K / QB, ng = K / G, mg = (M + 15) / 16, tasks = N / 16, row_bytes = row_bytes_of(bits, K);
@@ -2336,6 +2357,7 @@ static void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     free(c128);
     amx_inputs_free(&in);
 }
+#endif
 
 #endif
 
@@ -2563,7 +2585,8 @@ I8V_FN(i8v_q8_16, 2, 1, 0, 0) I8V_FN(i8v_q8_8, 1, 1, 0, 0) I8V_FN(i8v_s4_16, 2, 
 I8V_FN(i8v_q8_16s, 2, 1, 0, 1) I8V_FN(i8v_q8_8s, 1, 1, 0, 1) I8V_FN(i8v_s4_16s, 2, 1, 2, 1)
 I8V_FN(i8v_s4_8s, 1, 1, 2, 1)
 
-static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+#if WQ_PART != 1
+WQ_PART2_KERNEL void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
                      const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
     const int64_t nb = K / QB, ng = K / G, mg = (M + 15) / 16, tasks = N / 16, row_bytes = row_bytes_of(bits, K);
@@ -2628,6 +2651,7 @@ static void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                  table);
     amx_inputs_free(&in);
 }
+#endif
 
 /* gemm_i8k: batches of the two-level layouts (Q4_K, Q5_K, Q6_K), K a multiple of 256, past gemm_k's rows. x is
  * rounded to int8 per 256 as gemm_k rounds it (llama.cpp's Q8_K), so that each super-block sums in 32-bit integers
@@ -2752,7 +2776,8 @@ I8K_FN(i8k_q4, 0, 8, 1, 0)
 I8K_FN(i8k_q5, 0, 4, 1, 0)
 I8K_FN(i8k_q6, 1, 2, 0, 1) /* q + 32 <= 63: pairs in int16 over 2 steps */
 
-static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+#if WQ_PART != 1
+WQ_PART2_KERNEL void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
                      const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
     const int64_t ng = K / G, nsb = K / KS, mg = (M + 15) / 16, tasks = (N + 15) / 16;
@@ -2822,6 +2847,7 @@ static void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     free(in.xst);
     free(in.xs16);
 }
+#endif
 #endif
 
 #if defined(WQ_TILES) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
@@ -2956,7 +2982,8 @@ static void q8_exact(const void *x, int x_bf16, int64_t M, int64_t K, const uint
 }
 #endif
 
-static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+#if WQ_PART != 1
+WQ_PART2_KERNEL void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const int sgn, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
                      int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
     const int64_t nb = K / QB, mg = (M + 15) / 16, tasks = N / 32, row_bytes = row_bytes_of(bits, K);
@@ -3083,10 +3110,12 @@ static void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                  table);
     amx_inputs_free(&in);
 }
+#endif
 /* Q6_K's groups of 16 (signed bytes, two-level scales, no mins): each 32-weight block's halves in their own tile
  * products (K = 16: A 16 weight rows x 16 bytes, B the half's 4 rows of the block's B tile), each scaled by its
  * group's scale; 16 weight rows and 16 input rows a pass. Rows past a multiple of 16 in amx_tail. */
-static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+#if WQ_PART != 1
+WQ_PART2_KERNEL void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                        const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
                        int64_t N) {
     const int64_t nb = K / QB, ng = K / 16, mg = (M + 15) / 16, tasks = N / 16;
@@ -3161,6 +3190,7 @@ static void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const ui
                  NULL);
     amx_inputs_free(&in);
 }
+#endif
 
 #if defined(__AMX_BF16__)
 #define WQ_AMX_BF16 1
@@ -3176,7 +3206,8 @@ static int gemm_amx_bf16q_serves(int x_bf16, int bits, int sgn, int64_t G, int s
     return x_bf16 && !sgn && (bits == 4 || bits == 5 || bits == 8) && G % QB == 0 && sfmt != SC_TWO_LEVEL;
 }
 
-static void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const int bits, int64_t G,
+#if WQ_PART != 1
+WQ_PART2_KERNEL void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const int bits, int64_t G,
                           const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
                           int out_bf16, int64_t ldo, int64_t N) {
     const int64_t nb = K / QB, ng = K / G, mg = (M + 15) / 16, tasks = N / 32, row_bytes = row_bytes_of(bits, K);
@@ -3316,9 +3347,42 @@ static void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_
     free(xgt);
 }
 #endif
+#endif
 
 #endif
 #endif
+
+#if WQ_PART == 1 /* part 2's kernels */
+WQ_PART2_KERNEL void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn,
+                       int64_t G, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
+                       int out_bf16, int64_t ldo, int64_t N);
+WQ_PART2_KERNEL void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
+                   const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out, int out_bf16,
+                   int64_t ldo, int64_t N);
+WQ_PART2_KERNEL void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                    const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
+                    int64_t N);
+WQ_PART2_KERNEL void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                      const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                      const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table);
+WQ_PART2_KERNEL void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                     const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                     const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table);
+WQ_PART2_KERNEL void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                     const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                     const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N);
+WQ_PART2_KERNEL void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                     const int sgn, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
+                     int out_bf16, int64_t ldo, int64_t N, const int8_t *table);
+WQ_PART2_KERNEL void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                       const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
+                       int64_t N);
+WQ_PART2_KERNEL void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const int bits, int64_t G,
+                          const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
+                          int out_bf16, int64_t ldo, int64_t N);
+#endif
+
+#if WQ_PART != 2 /* the dispatcher and the exported entry points: part 1 */
 
 /* MXFP4 blocks (mxfp4_kernels.c's batches, GGUF's nibble order: byte j holds weights j and j + 16; e8m0 scales
  * against the doubled e2m1 values) on the tiles where they are on, else on the int8 vectors (gemm_vnni, gemm_i8v),
@@ -3599,3 +3663,4 @@ __attribute__((optimize("fp-contract=off"))) void qdequant(const uint8_t *w, int
         }
     }
 }
+#endif /* WQ_PART != 2 */
