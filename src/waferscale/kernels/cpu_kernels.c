@@ -371,19 +371,29 @@ static inline vf hsum8x8(const vf *v) {
 #define ATT_VALUE_REGS (VL == 16 ? 24 : 12)
 #define ATT_VALUE_VECS(G) ((G) * 4 <= ATT_VALUE_REGS ? 4 : (G) * 2 <= ATT_VALUE_REGS ? 2 : 1)
 
-/* NV vectors of channels c .. c + NV * VL - 1 of kv head g over every position, the sums of its G query heads kept
- * in registers; acc is set, not added to */
+/* Positions att_values_grouped_fmt takes a chunk: every pass over a kv head's channels reads the chunk's rows, which
+ * stay in L1 between passes (8 passes of one vector at 8 query heads a kv head on AVX2: walking every position each
+ * pass read the rows from L2 eight times) */
+#define ATT_VALUE_CHUNK 64
+
+/* NV vectors of channels c .. c + NV * VL - 1 of kv head g over positions t0 .. t1 - 1 of n, the sums of its G query
+ * heads kept in registers; acc is set from them at t0 = 0, else added to in the same order (the sums carried over in
+ * acc as they were in registers: the same bits as one pass over every position) */
 static inline __attribute__((always_inline)) void att_values_pass(const float *p, const void *v_cache, int fmt,
                                                                    const float *v_scale, const int64_t *table,
-                                                                   int64_t pos0, int64_t n, int64_t G, int64_t NV,
-                                                                   int64_t KVH, int64_t g, int64_t c, int64_t D,
-                                                                   int64_t block_size, float *acc) {
+                                                                   int64_t pos0, int64_t n, int64_t t0, int64_t t1,
+                                                                   int64_t G, int64_t NV, int64_t KVH, int64_t g,
+                                                                   int64_t c, int64_t D, int64_t block_size,
+                                                                   float *acc) {
     const int64_t row_len = KVH * D, qg = kv_group(D), ng = D / qg;
     vf a[ATT_MAX_GROUP][4];
     for (int64_t h = 0; h < G; h++)
-        for (int64_t k = 0; k < NV; k++) a[h][k] = (vf){0};
-    slot_walk_t walk = slot_walk(table, pos0, block_size), ahead = slot_walk_ahead(table, pos0, n, block_size);
-    for (int64_t t = 0; t < n; t++) {
+        for (int64_t k = 0; k < NV; k++) {
+            a[h][k] = (vf){0};
+            if (t0) memcpy(&a[h][k], acc + (g * G + h) * D + c + k * VL, sizeof a[h][k]);
+        }
+    slot_walk_t walk = slot_walk(table, pos0 + t0, block_size), ahead = slot_walk_ahead(table, pos0 + t0, n - t0, block_size);
+    for (int64_t t = t0; t < t1; t++) {
         const int64_t slot = slot_next(&walk);
         if (c == 0 && t + ATT_PREFETCH < n) prefetch_head(v_cache, fmt, v_scale, slot_next(&ahead), KVH, g, D);
         /* one scale for the pass: NV * VL channels (16-64) lie within one scale group (64 channels, or the head) */
@@ -400,20 +410,25 @@ static inline __attribute__((always_inline)) void att_values_pass(const float *p
 }
 
 /* att_values for D a multiple of 16 and at most ATT_MAX_GROUP query heads a kv head: ATT_VALUE_VECS(G) vectors of
- * channels of one kv head at a time, the sums of its query heads kept in registers over every position (not loaded
- * and stored per position); acc is set, not added to. The same products summed in the same order as att_values. */
+ * channels of one kv head at a time, the sums of its query heads kept in registers over a chunk of positions (not
+ * loaded and stored per position); acc is set, not added to. The same products summed in the same order as
+ * att_values. */
 static inline __attribute__((always_inline)) void att_values_grouped_fmt(const float *p, const void *v_cache,
                                                                           int fmt, const float *v_scale,
                                const int64_t *table, int64_t pos0, int64_t n, int64_t G, int64_t KVH, int64_t g0,
                                int64_t g1, int64_t D, int64_t block_size, float *acc) {
     const int64_t NV = ATT_VALUE_VECS(G);
-    for (int64_t g = g0; g < g1; g++) {
-        int64_t c = 0;
-        for (; c + NV * VL <= D; c += NV * VL)
-            att_values_pass(p, v_cache, fmt, v_scale, table, pos0, n, G, NV, KVH, g, c, D, block_size, acc);
-        for (; c < D; c += VL)
-            att_values_pass(p, v_cache, fmt, v_scale, table, pos0, n, G, 1, KVH, g, c, D, block_size, acc);
-    }
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t t0 = 0; t0 < n; t0 += ATT_VALUE_CHUNK) {
+            const int64_t t1 = n - t0 < ATT_VALUE_CHUNK ? n : t0 + ATT_VALUE_CHUNK;
+            int64_t c = 0;
+            for (; c + NV * VL <= D; c += NV * VL)
+                att_values_pass(p, v_cache, fmt, v_scale, table, pos0, n, t0, t1, G, NV, KVH, g, c, D, block_size,
+                                acc);
+            for (; c < D; c += VL)
+                att_values_pass(p, v_cache, fmt, v_scale, table, pos0, n, t0, t1, G, 1, KVH, g, c, D, block_size,
+                                acc);
+        }
 }
 
 /* att_values_grouped_fmt compiled per cache format and group size, for kv heads g0 .. g1 - 1 */
