@@ -107,7 +107,8 @@ class _OldSignature:
 
 
 def baseline_kernels(ref: str) -> kernels.NativeKernels:
-    """qgemm as quant_kernels.c was at git revision ref, compiled as the current build compiles it."""
+    """qgemm as quant_kernels.c was at git revision ref, compiled as the current build compiles it (in two units
+    where the revision has WQ_PART)."""
     root = Path(__file__).resolve().parents[1]
     src = subprocess.run(
         ["git", "show", f"{ref}:src/waferscale/kernels/quant_kernels.c"],
@@ -118,9 +119,11 @@ def baseline_kernels(ref: str) -> kernels.NativeKernels:
     tmp = Path(tempfile.mkdtemp(prefix="bench_qgemm-"))
     (tmp / "q.c").write_bytes(src)
     flags = kernels.COMPILE_FLAGS + kernels.VARIANT_FLAGS[kernels._variant()]  # WAFERSCALE_NATIVE_KERNELS's build
-    cc = ["cc", *flags, "-c", str(tmp / "q.c"), "-o", str(tmp / "q.o")]
-    subprocess.run(cc, check=True)
-    subprocess.run(["cc", *kernels.LINK_FLAGS, str(tmp / "q.o"), "-o", str(tmp / "q.so"), "-lm"], check=True)
+    parts = [["-DWQ_PART=1"], ["-DWQ_PART=2"]] if b"WQ_PART" in src else [[]]
+    objs = [str(tmp / f"q{i}.o") for i in range(len(parts))]
+    for part, obj in zip(parts, objs):
+        subprocess.run(["cc", *flags, *part, "-c", str(tmp / "q.c"), "-o", obj], check=True)
+    subprocess.run(["cc", *kernels.LINK_FLAGS, *objs, "-o", str(tmp / "q.so"), "-lm"], check=True)
     lib = ctypes.CDLL(str(tmp / "q.so"))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     if b"int sfmt" in src:  # scales in three formats: today's signature

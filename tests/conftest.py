@@ -23,8 +23,7 @@ os.environ.setdefault("WAFERSCALE_DATA_DIR", str(ROOT / ".cache" / "data"))  # f
 
 
 def fresh_cache(tmp_path: Path) -> Path:
-    """An empty model cache that shares the suite's compiled kernels (compiling them is not what these tests test,
-    and takes a core for ~25 s a build)."""
+    """An empty model cache sharing the suite's compiled kernels (each build takes ~17 s, and is not what's tested)."""
     shared = Path(os.environ["WAFERSCALE_CACHE_DIR"]) / "kernels"
     shared.mkdir(parents=True, exist_ok=True)
     tmp_path.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -489,7 +490,8 @@ if {variant!r} == "avx2":  # the AVX2 int8 vectors sum as the tiles do
     from test_quant import _check_tile_sums
     for kind in ("Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"):
         _check_tile_sums(kind, "vectors")
-print("build ok", lib.lib._name)
+print("build ok")
+print(lib.lib._name)
 """
     # the suite's kernel cache: this build is compiled once a suite (test_gpt_oss's kernel tests load it too)
     env = dict(os.environ, WAFERSCALE_NATIVE_KERNELS=variant, WAFERSCALE_CACHE_DIR=str(fresh_cache(tmp_path)))
@@ -498,8 +500,8 @@ print("build ok", lib.lib._name)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "build ok" in done.stdout
-    so = done.stdout.split("build ok ")[1].split()[0]
-    assert so != native.lib._name  # its own build, not the native one
+    so = done.stdout.split("build ok\n")[1].splitlines()[0]
+    assert Path(so).resolve() != Path(native.lib._name).resolve()  # its own build, not the native one
     if shutil.which("objdump"):
         code = subprocess.run(["objdump", "-d", so], capture_output=True).stdout
         # the portable build has no AVX2 integer dot products in it (the compiler may still vectorise its plain

@@ -93,11 +93,11 @@ def _build(compiler: str, variant: str = "native") -> Path:
     the library's path."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = COMPILE_FLAGS + VARIANT_FLAGS[variant]
-    sources = [SOURCE, QUANT_SOURCE, MXFP4_SOURCE]
+    sources = list(dict.fromkeys(source for source, _ in UNITS))
+    units = repr([(source.name, defs) for source, defs in UNITS])  # names, not paths: any checkout shares a build
     key = hashlib.sha256(
-        "\0".join(
-            [*(s.read_text() for s in sources), version, _cpu_signature(), " ".join(flags + LINK_FLAGS), repr(UNITS)]
-        ).encode()
+        "\0".join([*(s.read_text() for s in sources), version, _cpu_signature(), " ".join(flags + LINK_FLAGS), units])
+        .encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.is_file():

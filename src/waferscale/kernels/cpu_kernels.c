@@ -372,8 +372,8 @@ static inline vf hsum8x8(const vf *v) {
 #define ATT_VALUE_VECS(G) ((G) * 4 <= ATT_VALUE_REGS ? 4 : (G) * 2 <= ATT_VALUE_REGS ? 2 : 1)
 
 /* Positions att_values_grouped_fmt takes a chunk: every pass over a kv head's channels reads the chunk's rows, which
- * stay in L1 between passes (8 passes of one vector at 8 query heads a kv head on AVX2: walking every position each
- * pass read the rows from L2 eight times) */
+ * stay in L1 between passes (8 query heads a kv head of 128 on AVX2 take 16 passes of one vector: walking every
+ * position each pass read the rows from L2 16 times) */
 #define ATT_VALUE_CHUNK 64
 
 /* NV vectors of channels c .. c + NV * VL - 1 of kv head g over positions t0 .. t1 - 1 of n, the sums of its G query
@@ -392,7 +392,8 @@ static inline __attribute__((always_inline)) void att_values_pass(const float *p
             a[h][k] = (vf){0};
             if (t0) memcpy(&a[h][k], acc + (g * G + h) * D + c + k * VL, sizeof a[h][k]);
         }
-    slot_walk_t walk = slot_walk(table, pos0 + t0, block_size), ahead = slot_walk_ahead(table, pos0 + t0, n - t0, block_size);
+    slot_walk_t walk = slot_walk(table, pos0 + t0, block_size);
+    slot_walk_t ahead = slot_walk_ahead(table, pos0 + t0, n - t0, block_size);
     for (int64_t t = t0; t < t1; t++) {
         const int64_t slot = slot_next(&walk);
         if (c == 0 && t + ATT_PREFETCH < n) prefetch_head(v_cache, fmt, v_scale, slot_next(&ahead), KVH, g, D);
@@ -419,7 +420,7 @@ static inline __attribute__((always_inline)) void att_values_grouped_fmt(const f
                                int64_t g1, int64_t D, int64_t block_size, float *acc) {
     const int64_t NV = ATT_VALUE_VECS(G);
     for (int64_t g = g0; g < g1; g++)
-        for (int64_t t0 = 0; t0 < n; t0 += ATT_VALUE_CHUNK) {
+        for (int64_t t0 = 0; t0 == 0 || t0 < n; t0 += ATT_VALUE_CHUNK) { /* n = 0: acc set to zeros */
             const int64_t t1 = n - t0 < ATT_VALUE_CHUNK ? n : t0 + ATT_VALUE_CHUNK;
             int64_t c = 0;
             for (; c + NV * VL <= D; c += NV * VL)

@@ -781,9 +781,9 @@ static void row_scaled_p(const uint8_t *w, const sc_t *ws, const sc_t *wm, int64
 
 /* few rows (M < PANEL_ROWS): a group of 4 weight rows a task */
 #if WQ_PART != 1
-WQ_PART2_KERNEL void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn,
-                       int64_t G, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
-                       int out_bf16, int64_t ldo, int64_t N) {
+WQ_PART2_KERNEL void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, const uint8_t *w, int bits,
+                                int sgn, int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                                const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
     const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K), groups = (N + 3) / 4;
     const int gshift = G == 16 ? 4 : G == 32 ? 5 : G == 64 ? 6 : 7;
 #pragma omp parallel for schedule(static)
@@ -1256,9 +1256,9 @@ static int gemm_k_serves(int bits, int sgn, int64_t G, int sfmt, int64_t K) {
 }
 
 #if WQ_PART != 1
-WQ_PART2_KERNEL void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
-                   const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out, int out_bf16,
-                   int64_t ldo, int64_t N) {
+WQ_PART2_KERNEL void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn,
+                            int64_t G, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res,
+                            void *out, int out_bf16, int64_t ldo, int64_t N) {
     const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K), groups = (N + 3) / 4;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xd = (float *)malloc((size_t)(M * (K / KS)) * sizeof(float));
@@ -1392,8 +1392,8 @@ static int gemm_q8_serves(int bits, int sgn, int64_t G, int sfmt, const void *mi
 
 #if WQ_PART != 1
 WQ_PART2_KERNEL void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
-                    const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
-                    int64_t N) {
+                             const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16,
+                             int64_t ldo, int64_t N) {
     const int64_t groups = (N + 3) / 4;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xs = (float *)malloc((size_t)(M * (K / QB)) * sizeof(float));
@@ -2309,8 +2309,9 @@ static __attribute__((noinline)) void vnni_rows8(const uint8_t *wide, int64_t K,
 
 #if WQ_PART != 1
 WQ_PART2_KERNEL void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
-                      const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
-                      const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
+                               const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                               const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N,
+                               const int8_t *table) {
     const int64_t nb = K / QB, ng = K / G, mg = (M + 15) / 16, tasks = N / 16, row_bytes = row_bytes_of(bits, K);
     const int g16 = G == 16;
     const int sums = !wm ? 0 : !ws->b && bits == 4 ? 2 : 1; /* one-level 4-bit blocks: rounded x's sums */
@@ -2587,8 +2588,9 @@ I8V_FN(i8v_s4_8s, 1, 1, 2, 1)
 
 #if WQ_PART != 1
 WQ_PART2_KERNEL void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
-                     const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
-                     const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
+                              const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                              const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N,
+                              const int8_t *table) {
     const int64_t nb = K / QB, ng = K / G, mg = (M + 15) / 16, tasks = N / 16, row_bytes = row_bytes_of(bits, K);
     const int g16 = G == 16;
     /* pairs summed in int16 over a whole block (8 steps) or a half (4): 4-bit and 5-bit weights, 6-bit */
@@ -2778,8 +2780,8 @@ I8K_FN(i8k_q6, 1, 2, 0, 1) /* q + 32 <= 63: pairs in int16 over 2 steps */
 
 #if WQ_PART != 1
 WQ_PART2_KERNEL void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
-                     const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
-                     const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
+                              const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                              const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N) {
     const int64_t ng = K / G, nsb = K / KS, mg = (M + 15) / 16, tasks = (N + 15) / 16;
     const int64_t row_bytes = row_bytes_of(bits, K);
     const int mins = wm != NULL && wm->b != NULL;
@@ -2984,8 +2986,8 @@ static void q8_exact(const void *x, int x_bf16, int64_t M, int64_t K, const uint
 
 #if WQ_PART != 1
 WQ_PART2_KERNEL void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
-                     const int sgn, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
-                     int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
+                              const int sgn, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res,
+                              void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
     const int64_t nb = K / QB, mg = (M + 15) / 16, tasks = N / 32, row_bytes = row_bytes_of(bits, K);
     amx_in_t in = amx_inputs(x, x_bf16, M, K, wm != NULL);
     const int8_t *bt = in.bt;
@@ -3116,8 +3118,8 @@ WQ_PART2_KERNEL void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, c
  * group's scale; 16 weight rows and 16 input rows a pass. Rows past a multiple of 16 in amx_tail. */
 #if WQ_PART != 1
 WQ_PART2_KERNEL void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
-                       const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
-                       int64_t N) {
+                                const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16,
+                                int64_t ldo, int64_t N) {
     const int64_t nb = K / QB, ng = K / 16, mg = (M + 15) / 16, tasks = N / 16;
     amx_in_t in = amx_inputs(x, x_bf16, M, K, 0);
     const int8_t *bt = in.bt;
@@ -3207,9 +3209,9 @@ static int gemm_amx_bf16q_serves(int x_bf16, int bits, int sgn, int64_t G, int s
 }
 
 #if WQ_PART != 1
-WQ_PART2_KERNEL void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const int bits, int64_t G,
-                          const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
-                          int out_bf16, int64_t ldo, int64_t N) {
+WQ_PART2_KERNEL void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                                    int64_t G, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res,
+                                    void *out, int out_bf16, int64_t ldo, int64_t N) {
     const int64_t nb = K / QB, ng = K / G, mg = (M + 15) / 16, tasks = N / 32, row_bytes = row_bytes_of(bits, K);
     const int gshift = G == 32 ? 0 : G == 64 ? 1 : G == 128 ? 2 : 3; /* block b's group: b >> gshift */
     /* B tiles [mg][nb][16 pairs][16 rows x 2] bf16, and each input row's float32 sum over each block [mg][nb][16] */
@@ -3353,33 +3355,35 @@ WQ_PART2_KERNEL void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, con
 #endif
 
 #if WQ_PART == 1 /* part 2's kernels */
-WQ_PART2_KERNEL void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn,
-                       int64_t G, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
-                       int out_bf16, int64_t ldo, int64_t N);
-WQ_PART2_KERNEL void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
-                   const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out, int out_bf16,
-                   int64_t ldo, int64_t N);
+WQ_PART2_KERNEL void gemm_small(const float *xf, const float *xg, int64_t M, int64_t K, const uint8_t *w, int bits,
+                                int sgn, int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                                const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N);
+WQ_PART2_KERNEL void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn,
+                            int64_t G, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res,
+                            void *out, int out_bf16, int64_t ldo, int64_t N);
 WQ_PART2_KERNEL void gemm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
-                    const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
-                    int64_t N);
+                             const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16,
+                             int64_t ldo, int64_t N);
 WQ_PART2_KERNEL void gemm_vnni(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
-                      const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
-                      const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table);
+                               const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                               const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N,
+                               const int8_t *table);
 WQ_PART2_KERNEL void gemm_i8v(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
-                     const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
-                     const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table);
+                              const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                              const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N,
+                              const int8_t *table);
 WQ_PART2_KERNEL void gemm_i8k(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
-                     const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
-                     const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N);
+                              const int sgn, const int64_t G, const sc_t *ws, const sc_t *wm, const float *bias,
+                              const uint16_t *res, void *out, int out_bf16, int64_t ldo, int64_t N);
 WQ_PART2_KERNEL void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
-                     const int sgn, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
-                     int out_bf16, int64_t ldo, int64_t N, const int8_t *table);
+                              const int sgn, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res,
+                              void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table);
 WQ_PART2_KERNEL void gemm_amx16(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
-                       const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
-                       int64_t N);
-WQ_PART2_KERNEL void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const int bits, int64_t G,
-                          const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res, void *out,
-                          int out_bf16, int64_t ldo, int64_t N);
+                                const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16,
+                                int64_t ldo, int64_t N);
+WQ_PART2_KERNEL void gemm_amx_bf16q(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const int bits,
+                                    int64_t G, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res,
+                                    void *out, int out_bf16, int64_t ldo, int64_t N);
 #endif
 
 #if WQ_PART != 2 /* the dispatcher and the exported entry points: part 1 */
