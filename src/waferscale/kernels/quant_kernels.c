@@ -992,6 +992,11 @@ static inline __m256i pair_scale_shuffle(int p) {
     return _mm256_set_m128i(b, a);
 }
 
+/* shuffle control: int16 scale a of a vector in every int16 of the low lane, b in the high lane */
+static inline __m256i lane_scale_shuffle(int a, int b) {
+    return _mm256_set_m128i(_mm_set1_epi16((int16_t)(0x0100 + 0x0202 * b)), _mm_set1_epi16((int16_t)(0x0100 + 0x0202 * a)));
+}
+
 /* lane m of v in every lane */
 static inline __attribute__((always_inline)) __m256 lane256(__m128 v, int m) {
     return m ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_set1_epi32(m)) : _mm256_broadcastss_ps(v);
@@ -1007,8 +1012,8 @@ static inline __attribute__((always_inline)) __m256 mins8(const uint8_t *b) {
  * them out; xb: x's block sums as float32, [mt, K / 32] */
 static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const sc_t *ws, const sc_t *wm,
                                                         const int8_t *xq, const float *xd, const float *xb,
-                                                        int64_t K, float sums[4], const int mt, const int bits,
-                                                        const int sgn, const int g16) {
+                                                        const int16_t *xs, int64_t K, float sums[4], const int mt,
+                                                        const int bits, const int sgn, const int g16) {
     __m256 acc[4];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -1038,6 +1043,53 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
                     /* a lane of a and of b: the same block, so the same scale; |a + b| <= 4 * 15 * 127 */
                     isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_add_epi16(a, b), sc));
                 }
+            }
+        } else if (bits == 6 || g16) { /* Q6_K (6 bits, or a byte a weight: values -32..31) */
+            /* a pair of blocks (A, B) a step as for 4 bits (x laid out to match), q + 32 unsigned (0..63); the 32s
+             * come off per 16-group below, from x's group sums xs. The same integer lanes for both layouts. */
+            const __m256i m30 = _mm256_set1_epi8(0x30), shifts = _mm256_setr_epi64x(0, 2, 0, 2);
+            for (int p = 0; p < 4; p++) {
+                __m256i qlo, qhi; /* A 0-15, B 0-15; A 16-31, B 16-31 */
+                if (bits == 6) {
+                    const uint8_t *a = w + (k0 / QB + 2 * p) * BLOCK_BYTES(6); /* A; B at a + 24 */
+                    const __m256i raw = _mm256_inserti128_si256(
+                        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                        _mm_loadu_si128((const __m128i *)(a + 24)), 1);
+                    /* A's top bits twice, B's twice (a + 16: A's 8 bytes, B's nibbles, B's 8), shifted so that each
+                     * byte's bits 0-1 are its low-nibble weight's, bits 4-5 its high-nibble weight's */
+                    int64_t ha, hb;
+                    memcpy(&ha, a + 16, 8);
+                    memcpy(&hb, a + 40, 8);
+                    const __m256i h = _mm256_srlv_epi64(
+                        _mm256_blend_epi32(_mm256_set1_epi64x(ha), _mm256_set1_epi64x(hb), 0xF0), shifts);
+                    qlo = _mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+                    qhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), _mm256_and_si256(h, m30));
+                } else {
+                    const uint8_t *a = w + (k0 / QB + 2 * p) * BLOCK_BYTES(8);
+                    const __m256i b32 = _mm256_set1_epi8(32);
+                    qlo = _mm256_add_epi8(_mm256_inserti128_si256(
+                        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                        _mm_loadu_si128((const __m128i *)(a + 32)), 1), b32);
+                    qhi = _mm256_add_epi8(_mm256_inserti128_si256(
+                        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 16))),
+                        _mm_loadu_si128((const __m128i *)(a + 48)), 1), b32);
+                }
+                const __m256i sv = p < 2 ? slo : shi; /* groups 4p .. 4p + 3: A's two, then B's */
+                const __m256i sca = _mm256_shuffle_epi8(sv, lane_scale_shuffle(4 * p % 8, 4 * p % 8 + 2));
+                const __m256i scb = _mm256_shuffle_epi8(sv, lane_scale_shuffle(4 * p % 8 + 1, 4 * p % 8 + 3));
+                for (int m = 0; m < mt; m++) {
+                    const int8_t *xp = xq + m * K + k0 + 64 * p;
+                    const __m256i pa = _mm256_maddubs_epi16(qlo, _mm256_loadu_si256((const __m256i *)xp));
+                    const __m256i pb = _mm256_maddubs_epi16(qhi, _mm256_loadu_si256((const __m256i *)(xp + 32)));
+                    isum[m] = _mm256_add_epi32(isum[m],
+                                               _mm256_add_epi32(_mm256_madd_epi16(pa, sca), _mm256_madd_epi16(pb, scb)));
+                }
+            }
+            /* q - 32: 32 x each group's scale x its sum of x, in integers */
+            const __m256i s16 = _mm256_cvtepi8_epi16(s8);
+            for (int m = 0; m < mt; m++) {
+                const __m256i g = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xs + m * (K / 16) + sb * 16)), s16);
+                isum[m] = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(g, 5));
             }
         } else {
 #pragma GCC unroll 8
@@ -1119,8 +1171,9 @@ static inline __attribute__((always_inline)) __m512i madd_acc512(__m512i acc, __
  * exact) formed together, scaled per super-block. Every row's result depends only on that row. */
 static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, const sc_t *ws, const sc_t *wm,
                                                            const int8_t *xq, const float *xd, const float *xb,
-                                                           int64_t K, float sums[4], const int mt, const int bits,
-                                                           const int sgn, const int g16) {
+                                                           const int16_t *xs, int64_t K, float sums[4], const int mt,
+                                                           const int bits, const int sgn, const int g16) {
+    (void)xs; /* 6 bits are signed bytes here (blocks6_512) */
     __m512 acc[4];
     __m256 macc[4];
     for (int m = 0; m < mt; m++) {
@@ -1192,16 +1245,18 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
 }
 #define ROW_K row_k512
 #define NIBBLES NIBBLES_512
+#define NIBBLES6 0 /* row_k512 reads 6-bit blocks as signed bytes, x in order */
 #else
 #define ROW_K row_k
 #define NIBBLES NIBBLES_256
+#define NIBBLES6 NIBBLES_256 /* row_k reads 6-bit blocks in pairs, as 4-bit ones */
 #endif
 
 #define KROWS_FN(B, S, G16)                                                                                       \
     static __attribute__((noinline)) void krows_##B##_##S##_##G16(                                                 \
-        const int8_t *xq, const float *xd, const float *xb, int64_t M, int64_t K, const uint8_t *w,              \
-        int64_t row_bytes, const sc_t *ws, const sc_t *wm, int64_t ng, int64_t n0, int64_t n1, const float *bias, \
-        const uint16_t *res, void *out, int out_bf16, int64_t ldo) {                                              \
+        const int8_t *xq, const float *xd, const float *xb, const int16_t *xs, int64_t M, int64_t K,             \
+        const uint8_t *w, int64_t row_bytes, const sc_t *ws, const sc_t *wm, int64_t ng, int64_t n0, int64_t n1, \
+        const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo) {                          \
         for (int64_t n = n0; n < n1; n++)                                                                         \
             for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                               \
                 const int64_t mt = M - m0 < 4 ? M - m0 : 4;                                                       \
@@ -1210,11 +1265,12 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
                 const int8_t *xm = xq + m0 * K;                                                                   \
                 const float *dm = xd + m0 * (K / KS); /* 4-row block m0 / 4 of gemm_k's layout (m0: 4 at a time) */ \
                 const float *bm = xb + m0 * (K / QB);                                                             \
+                const int16_t *sm = xs ? xs + m0 * (K / 16) : NULL;                                              \
                 float sums[4];                                                                                    \
-                if (mt == 4) ROW_K(wn, &sr, &mr, xm, dm, bm, K, sums, 4, B, S, G16);                              \
-                else if (mt == 3) ROW_K(wn, &sr, &mr, xm, dm, bm, K, sums, 3, B, S, G16);                         \
-                else if (mt == 2) ROW_K(wn, &sr, &mr, xm, dm, bm, K, sums, 2, B, S, G16);                         \
-                else ROW_K(wn, &sr, &mr, xm, dm, bm, K, sums, 1, B, S, G16);                                      \
+                if (mt == 4) ROW_K(wn, &sr, &mr, xm, dm, bm, sm, K, sums, 4, B, S, G16);                          \
+                else if (mt == 3) ROW_K(wn, &sr, &mr, xm, dm, bm, sm, K, sums, 3, B, S, G16);                     \
+                else if (mt == 2) ROW_K(wn, &sr, &mr, xm, dm, bm, sm, K, sums, 2, B, S, G16);                     \
+                else ROW_K(wn, &sr, &mr, xm, dm, bm, sm, K, sums, 1, B, S, G16);                                  \
                 for (int64_t i = 0; i < mt; i++) put(sums[i], m0 + i, n, bias, res, out, out_bf16, ldo);          \
             }                                                                                                     \
     }
@@ -1263,7 +1319,9 @@ WQ_PART2_KERNEL void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, con
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xd = (float *)malloc((size_t)(M * (K / KS)) * sizeof(float));
     int32_t *xb = (int32_t *)malloc((size_t)(M * (K / QB)) * sizeof(int32_t));
-    quantize_rows_k(x, x_bf16, M, K, bits == 4 ? NIBBLES : 0, xq, xd, xb);
+    const int q6 = bits == 6 || (bits == 8 && sgn); /* Q6_K's values, in 6 bits or a byte each */
+    const int nibbles = bits == 4 ? NIBBLES : q6 ? NIBBLES6 : 0;
+    quantize_rows_k(x, x_bf16, M, K, nibbles, xq, xd, xb);
     /* as row_k and row_k512 read them: each 4-row block's super-block scales side by side, the sums as float32 */
     const int64_t nsb = K / KS, nblk = K / QB;
     float *xd4 = (float *)calloc((size_t)(((M + 3) / 4) * 4 * nsb), sizeof(float));
@@ -1272,11 +1330,23 @@ WQ_PART2_KERNEL void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, con
         for (int64_t sb = 0; sb < nsb; sb++) xd4[(m / 4) * 4 * nsb + sb * 4 + m % 4] = xd[m * nsb + sb];
         for (int64_t b = 0; b < nblk; b++) xbf[m * nblk + b] = (float)xb[m * nblk + b];
     }
+    /* Q6_K's values read unsigned (row_k): x's sums per 16-group, in group order (|sum| <= 16 * 127) */
+    int16_t *xs = q6 && NIBBLES6 ? (int16_t *)malloc((size_t)(M * (K / 16)) * sizeof(int16_t)) : NULL;
+    if (xs)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t sb = 0; sb < nsb; sb++)
+                for (int b = 0; b < KS / QB; b++)
+                    for (int hi = 0; hi < 2; hi++) {
+                        const int8_t *q = xq + m * K + sb * KS + rows_k_at(nibbles, b, hi);
+                        int s = 0;
+                        for (int i = 0; i < 16; i++) s += q[i];
+                        xs[m * (K / 16) + sb * 16 + 2 * b + hi] = (int16_t)s;
+                    }
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n0 = 4 * g, n1 = n0 + 4 < N ? n0 + 4 : N;
-#define KROWS(B, S, G16) krows_##B##_##S##_##G16(xq, xd4, xbf, M, K, w, row_bytes, ws, wm, ng, n0, n1, bias, res, \
-                                                 out, out_bf16, ldo)
+#define KROWS(B, S, G16) krows_##B##_##S##_##G16(xq, xd4, xbf, xs, M, K, w, row_bytes, ws, wm, ng, n0, n1, bias, \
+                                                 res, out, out_bf16, ldo)
         if (bits == 4) KROWS(4, 0, 0);
         else if (bits == 6) KROWS(6, 1, 1);
         else if (sgn) KROWS(8, 1, 1);
@@ -1288,6 +1358,7 @@ WQ_PART2_KERNEL void gemm_k(const void *x, int x_bf16, int64_t M, int64_t K, con
     free(xb);
     free(xd4);
     free(xbf);
+    free(xs);
 }
 #endif
 
