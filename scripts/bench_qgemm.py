@@ -46,6 +46,7 @@ from waferscale.models.quant.layouts import pack_high_pairs, pack_nibbles  # noq
 # 64) and a Llama 3.2 1B (hidden 2048, intermediate 8192, 32 heads, 8 kv heads of 64)
 SHAPES = {
     "135m": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
+    "135m_head": {"head": (49152, 576)},  # the built-in model's 49k words (its GGUF holds them in Q8_0)
     "1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
     "gemma270m": {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048)},
     "gemma270m_head": {"head": (262144, 640)},

@@ -264,13 +264,14 @@ def test_large_int16_batches_give_each_row_what_a_small_batch_gives(kind):
     """Batches of 32 rows and more of the one-level blocks with mins take two groups of 16 rows a pass (gemm_i16b
     with AVX-512): a row gets the bits it gets in the fewest rows that take int16 (PANEL_ROWS; the 4-bit blocks:
     INT8_ROWS_4), whichever group and lane it lands in."""
-    n, k, rows = 40, 512, 72
+    n, k = 40, 512
     w = from_gguf(random_blocks(kind, n, k, seed=3), kind, n, k)
     fewest = PANEL_ROWS  # the portable build: float32 panels, as batch-invariant
     if _one_level_4bit(w) and INT8_ROWS_4:
         if native.int8_vectors_4():
             pytest.skip("the 4-bit blocks' batches take the int8 vectors here (test_integer_kernel_matches_...)")
         fewest = INT8_ROWS_4
+    rows = max(72, 64 + fewest)  # the last row checked (64) has `fewest` rows from it
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
     y = torch.empty(rows, n)
     native.qgemm(x, w, y, act=AUTO)
