@@ -29,7 +29,7 @@
  *       8-bit blocks from AMX_ROWS_Q8 (3) rows and the two-level layouts (Q4_K, Q5_K, Q6_K) from AMX_ROWS_K (16)
  *       with activations per 32 by int8 tiles (gemm_amx, gemm_amx16), 8-bit blocks below 3 rows by q8_exact (the
  *       tiles' sums row by row), and from AMX_BF16Q_ROWS (4) bf16 rows Q4_0, Q4_1 and Q5_1 by bf16 tiles
- *       (gemm_amx_bf16q); one-level 4-bit blocks (Q4_0, Q4_1) below INT8_ROWS_4 (8 with AVX-512 VNNI, else 12) rows with activations rounded
+ *       (gemm_amx_bf16q); one-level 4-bit blocks (Q4_0, Q4_1) below INT8_ROWS_4 (8) rows with activations rounded
  *       to int8 per 32 (gemm_i4m); Q5_1, and the 4-bit blocks' larger batches where AVX-512 VNNI does not take
  *       them, with activations rounded to int16 per 32 (gemm_i16 row by row below PANEL_ROWS (6), gemm_i16b from
  *       there); int8 vectors past the row paths where the build has them (gemm_vnni, gemm_i8k, gemm_i8v); float32
@@ -1656,17 +1656,12 @@ static void gemm_i16(const void *x, int x_bf16, int64_t M, int64_t K, const uint
 #define I4M_R 2 /* AVX2's 16 registers */
 #endif
 #define I4M_SHORT_K 1024
-/* With AVX-512 VNNI, from 8 rows gemm_vnni's 16 rows a vector cost less (135M and 1B shapes). Built for AVX2, gemm_i16b's
- * int16 passes took them from 8 rows too (on a 2-core Zen 5 EPYC they cost about the same at 8 rows and less from 12,
- * gemm_i8v's more than either), but on a 2-core Zen 3 EPYC (AVX2 only) this path costs 0.73-0.90x gemm_i16b's time at
- * 8 rows and 0.75-1.02x at 12 on 135M shapes, 0.70-0.78x and 0.74-0.83x on 1B ones, more from 13-16 rows
- * (scripts/bench_qgemm.py --kinds q4h --baseline): so up to 11 rows, INT8_ROWS_Q8_EXACT, the rows a step verifying
- * drafts keeps here anyway (each row the bits it gets alone). */
-#ifdef WQ_TILES
+/* from 8 rows, gemm_vnni's 16 rows a vector cost less (AVX-512 VNNI, 135M and 1B shapes); built for AVX2, gemm_i16b's
+ * int16 passes cost about the same at 8 rows and less from 12 (gemm_i8v's more than either). A step verifying drafts
+ * keeps this path up to INT8_ROWS_Q8_EXACT rows: each row the bits it gets alone. (On a Zen 3 this path is faster up
+ * to 11 rows, but a prompt's uncached tail of 8-11 tokens after a prefix-cache hit would then round its activations
+ * otherwise than the whole prompt's prefill did, and answer otherwise: docs/quantization.md, "gemm_i4m".) */
 #define INT8_ROWS_4 8
-#else
-#define INT8_ROWS_4 INT8_ROWS_Q8_EXACT
-#endif
 static inline int rows_4(void) { return rows_exact ? INT8_ROWS_Q8_EXACT : INT8_ROWS_4; }
 
 static int gemm_i4m_serves(int bits, int sgn, int64_t G, int sfmt) {
