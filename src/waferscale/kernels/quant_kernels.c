@@ -1007,9 +1007,12 @@ static inline __attribute__((always_inline)) __m256 mins8(const uint8_t *b) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b)));
 }
 
-/* sums[m] = x_m . w for one weight row (two-level scales ws, mins wm) and mt (1..4) input rows; bits 4: x as
- * quantize_rows_k lays it out for nibbles. xd: the 4-row block's super-block scales, [K / 256][4] as gemm_k lays
- * them out; xb: x's block sums as float32, [mt, K / 32] */
+/* sums[m] = x_m . w for one weight row (two-level scales ws, mins wm) and mt (1..4) input rows; bits 4, and Q6_K's
+ * values (6 bits, or 8 signed with G 16): x as quantize_rows_k lays it out for nibbles. xd: the 4-row block's
+ * super-block scales, [K / 256][4] as gemm_k lays them out; xb: x's block sums as float32, [mt, K / 32]; xs (Q6_K):
+ * x's sums per 16-group, [mt, K / 16]. Q6_K's bounds: vpmaddubsw's pair sums <= 2 * 63 * 127 = 16002 (no
+ * saturation), a lane gains <= 4 * 16002 * 128 a step, 4 steps a super-block, and the 32s' correction is <= 32 * 2 *
+ * 2032 * 128: within 2^31. */
 static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const sc_t *ws, const sc_t *wm,
                                                         const int8_t *xq, const float *xd, const float *xb,
                                                         const int16_t *xs, int64_t K, float sums[4], const int mt,
