@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from waferscale import kernels  # noqa: E402
 from waferscale.models.quant import QuantWeight  # noqa: E402
-from waferscale.models.quant.layouts import pack_high_pairs, pack_nibbles  # noqa: E402
+from waferscale.models.quant.layouts import pack_int6  # noqa: E402
 
 # [N, K] of each projection: SmolLM2-135M (the built-in model; hidden 576, intermediate 1536, 9 heads, 3 kv heads of
 # 64) and a Llama 3.2 1B (hidden 2048, intermediate 8192, 32 heads, 8 kv heads of 64)
@@ -69,12 +69,10 @@ KINDS = {
 
 def random_weight(kind: str, n: int, k: int, gen: torch.Generator) -> QuantWeight:
     bits, group, signed, mins, two = KINDS[kind]
-    if bits == 6:  # the same values as q6k's, packed as gguf_blocks.from_gguf packs Q6_K
+    if bits == 6:  # the same values as q6k's, packed as from_gguf packs Q6_K
         w8 = random_weight("q6k", n, k, gen)
         q = (w8.qweight.numpy().astype(np.int16) + 32).astype(np.uint8).reshape(n, k // 32, 32)
-        blocks = np.concatenate([pack_nibbles((q & 15).reshape(n, k)).reshape(n, -1, 16), pack_high_pairs(q)], axis=2)
-        return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks.reshape(n, -1))), w8.scales, None, 6, 16,
-                           True, w8.sup)
+        return QuantWeight(torch.from_numpy(pack_int6(q)), w8.scales, None, 6, 16, True, w8.sup)
     if bits == 4:
         q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
     elif signed:

@@ -1047,7 +1047,7 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
                     isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_add_epi16(a, b), sc));
                 }
             }
-        } else if (bits == 6 || g16) { /* Q6_K (6 bits, or a byte a weight: values -32..31) */
+        } else if (sgn) { /* Q6_K (6 bits, or a byte a weight: values -32..31; G = 16) */
             /* a pair of blocks (A, B) a step as for 4 bits (x laid out to match), q + 32 unsigned (0..63); the 32s
              * come off per 16-group below, from x's group sums xs. The same integer lanes for both layouts. */
             const __m256i m30 = _mm256_set1_epi8(0x30), shifts = _mm256_setr_epi64x(0, 2, 0, 2);
@@ -1094,19 +1094,15 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
                 const __m256i g = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xs + m * (K / 16) + sb * 16)), s16);
                 isum[m] = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(g, 5));
             }
-        } else {
+        } else { /* unsigned bytes, G = 32 (Q5_K) */
 #pragma GCC unroll 8
             for (int j = 0; j < KS / QB; j++) { /* unrolled: each block's scale shuffle a constant */
                 const int64_t kb = k0 + j * QB;
-                const __m256i wv = block_bytes(w + kb / QB * BLOCK_BYTES(bits), bits, sgn);
-                const __m256i wu = sgn ? _mm256_sign_epi8(wv, wv) : wv;
-                /* G = 16: the block's two scales, one a lane; G = 32: its one scale in both */
-                const __m256i sc = g16 ? _mm256_shuffle_epi8(j < 4 ? slo : shi, pair_scale_shuffle(j & 3))
-                                       : _mm256_shuffle_epi8(slo, _mm256_set1_epi16((int16_t)(0x0100 + 0x0202 * j)));
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + kb));
+                const __m256i sc = _mm256_shuffle_epi8(slo, _mm256_set1_epi16((int16_t)(0x0100 + 0x0202 * j)));
                 for (int m = 0; m < mt; m++) {
-                    __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + kb));
-                    if (sgn) xv = _mm256_sign_epi8(xv, wv);
-                    isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), sc));
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + kb));
+                    isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), sc));
                 }
             }
         }

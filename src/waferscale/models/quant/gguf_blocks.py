@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from waferscale.models.quant.layouts import QuantWeight, pack_high_pairs, pack_nibbles, weight_from_values
+from waferscale.models.quant.layouts import QuantWeight, pack_int6, weight_from_values
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -76,8 +76,7 @@ def from_gguf(data: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | None
         hi = qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
         hi = (hi & 3).reshape(-1, 8, 32)
         q = (lo | (hi << 4)).reshape(n, k // 32, 32)  # 0..63, meaning q - 32
-        blocks = np.concatenate([pack_nibbles((q & 15).reshape(n, k)).reshape(n, -1, 16), pack_high_pairs(q)], axis=2)
-        return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks.reshape(n, -1))),
+        return QuantWeight(torch.from_numpy(pack_int6(q)),
                            torch.from_numpy(np.ascontiguousarray(scales.reshape(n, -1))), None, 6, 16, True,
                            torch.from_numpy(np.ascontiguousarray(d.reshape(n, -1), dtype=np.float32)))
     return None

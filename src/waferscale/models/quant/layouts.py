@@ -215,6 +215,14 @@ def pack_high_pairs(q: np.ndarray) -> np.ndarray:
     )
 
 
+def pack_int6(q: np.ndarray) -> np.ndarray:
+    """6-bit values q [N, blocks, 32] (0..63) as int6 holds them: [N, blocks * 24] bytes, each block its nibbles as
+    int4 holds them, then its top bits (pack_high_pairs)."""
+    n = q.shape[0]
+    nibbles = pack_nibbles((q & 15).reshape(n, -1)).reshape(n, -1, 16)
+    return np.ascontiguousarray(np.concatenate([nibbles, pack_high_pairs(q)], axis=2).reshape(n, -1))
+
+
 def weight_from_values(
     q: np.ndarray,
     scales: np.ndarray,
