@@ -109,7 +109,7 @@ def test_gguf_blocks_keep_their_scales_as_stored(kind):
 # batches of at least this many rows take the float32 path's dequantized panels (quant_kernels.c's PANEL_ROWS), fewer
 # the row-by-row kernel: each is batch-invariant, the two sum in different orders
 PANEL_ROWS = 6
-# auto rounds activations to int8 below these batch sizes (INT8_ROWS_K for two-level layouts: 32 with AVX2, 28 where
+# auto rounds activations to int8 below these batch sizes (INT8_ROWS_K for two-level layouts: 16 with AVX2, 28 where
 # AVX-512 VNNI takes the batches; INT8_ROWS_Q8 for 8-bit blocks), and takes the float32 paths from them on
 INT8_ROWS_K, INT8_ROWS_Q8 = (native.int8_rows_k(), native.int8_rows_q8()) if native else (32, 12)
 # where the CPU has AMX, auto takes the int8 tiles from these batch sizes instead (quant_kernels.c's AMX_ROWS_*); where
@@ -308,7 +308,7 @@ def test_packed_5_and_6_bit_blocks_give_what_the_same_values_as_bytes_give(kind,
 def test_int8_tiles_give_each_row_the_integer_sums(kind, tiles):
     """Where the CPU has AMX, auto multiplies 8-bit blocks from 3 rows, and Q4_K, Q5_K and Q6_K from 16, by tiles;
     elsewhere (or with AMX off), by vectors from INT8_ROWS_Q8 (5 with AVX-512 VNNI, 12 with AVX2) and INT8_ROWS_K (28
-    or 32): 33 rows (two tile groups and a part) against 100 weight rows (three 32-row tasks and 4 rows past them)
+    or 16): 33 rows (two tile groups and a part) against 100 weight rows (three 32-row tasks and 4 rows past them)
     give each row, bias included, the products of its int8 activations (per 32) with the weights as the int8 mode
     sums them (the vectors' K-quants: per 256, as each row alone sums them), within float32 rounding; each row the
     same bits in the fewest rows the tiles take; with AMX, for 8-bit blocks, the very bits the row alone gets (its own

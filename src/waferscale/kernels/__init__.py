@@ -847,8 +847,8 @@ class NativeKernels:
 
     def int8_rows_k(self) -> int:
         """The batch size from which qgemm's auto mode stops multiplying the two-level layouts (K-quants) row by row
-        with activations per 256 where AMX does not take them: 32 with AVX2, 28 where AVX-512 VNNI takes the batches, 0
-        in the portable build."""
+        with activations per 256 where AMX does not take them: 16 with AVX2 (32 while rows_exact), 28 where AVX-512
+        VNNI takes the batches, 0 in the portable build."""
         return self.lib.qgemm_int8_rows_k()
 
     def int8_rows_q8(self) -> int:

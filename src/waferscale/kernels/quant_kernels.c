@@ -22,7 +22,8 @@
  *       activations), so a block's dot product is exact in 32-bit integers (maddubs + madd on AVX2, dpbusd with
  *       VNNI), then scaled once in float32; the mins meet the float32 sum of x over their group. Every row's result
  *       depends only on that row, never on the batch.
- *   auto (the default): below INT8_ROWS_K rows (32; 28 with AVX-512 VNNI) the two-level layouts (K-quants, int4)
+ *   auto (the default): below INT8_ROWS_K rows (16 with AVX2, 32 in a step verifying drafts; 28 with AVX-512 VNNI)
+ *       the two-level layouts (K-quants, int4)
  *       with activations rounded to int8 per 256 and integer sums over each super-block (gemm_k), and below
  *       INT8_ROWS_Q8 (12; 5 with AVX-512 VNNI) 8-bit blocks (Q8_0, Q5_0, int8) with activations rounded per 32
  *       (gemm_q8), as llama.cpp multiplies them; on CPUs with AMX,
@@ -69,8 +70,8 @@
 #define QB 32 /* activation block: K must be a multiple of it */
 #define MT 4  /* input rows per pass over a weight row (the row stays in L1 between passes) */
 /* set by the thread that runs a step verifying speculative drafts (qgemm_set_rows_exact): 8-bit blocks then keep
- * gemm_q8, and one-level 4-bit blocks gemm_i4m, up to INT8_ROWS_Q8_EXACT rows, so that each row gets the bits it
- * gets decoded alone */
+ * gemm_q8, and one-level 4-bit blocks gemm_i4m, up to INT8_ROWS_Q8_EXACT rows, and the K-quants gemm_k up to
+ * INT8_ROWS_K_EXACT, so that each row gets the bits it gets decoded alone */
 static _Thread_local int rows_exact = 0;
 
 static inline float bf16_f32(uint16_t h) {
@@ -1282,7 +1283,11 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
  * Where the batches go to int8 vectors instead: gemm_i8k (AVX2) takes the K-quants from 32 rows (set against
  * gemm_i8v, which took them before it, as built for AVX2 on a 2-core Zen 5 EPYC, 1B shapes, Q4_K and Q6_K: gemm_k's
  * time over gemm_i8v's 0.67-0.80x at 16-20 rows, 0.79-0.97x at 24, 0.82-0.98x at 32; gemm_i8k's over gemm_k's
- * 0.81-1.05x at 16 rows, 0.88-1.10x at 24, so no gain in moving the limit down). With AVX-512 VNNI gemm_i8k's 512-bit
+ * 0.81-1.05x at 16 rows, 0.88-1.10x at 24). On a 2-core Zen 3 EPYC (AVX2 only) gemm_i8k is the faster from 16
+ * rows (its time over gemm_k's, Qwen3-30B-A3B's experts and dense projections and 1B shapes: Q4_K 0.74-0.80x at 16
+ * rows, 0.79-0.87x at 24, 1.07-1.29x at 12, 1.36-1.95x at 8; Q6_K 0.63-0.74x, 0.69-0.78x, 0.86-0.95x, 1.20-1.35x;
+ * it costs as much for 9-16 rows as for 16), so from 16 there, except in a step that verifies drafts (rows_exact),
+ * which keeps gemm_k below 32 rows. With AVX-512 VNNI gemm_i8k's 512-bit
  * passes take them from 28 (its time over gemm_k's 0.71-1.29x at 16-24 rows, parity), set when gemm_vnni took them: it
  * costs as much for 17-32 rows as for 32 (16 input rows a vector), and gemm_k is faster up to 28 (2-core Zen 5 EPYC, 1B
  * shapes, gemm_k's time over gemm_vnni's: Q4_K 0.67-0.90x at 16 rows, 0.52-0.72x at 20, 0.75-0.79x at 24, 0.89-0.98x at
@@ -1290,9 +1295,13 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
  * verification steps keep one-row decoding's numbers too. */
 #ifdef WQ_TILES
 #define INT8_ROWS_K 28
+#define INT8_ROWS_K_EXACT 28
 #else
-#define INT8_ROWS_K 32
+#define INT8_ROWS_K 16
+#define INT8_ROWS_K_EXACT 32 /* gemm_k's rows in a step verifying drafts: each row gets one row's bits */
 #endif
+/* the batch size from which the K-quants leave gemm_k on this thread */
+static inline int rows_k(void) { return rows_exact ? INT8_ROWS_K_EXACT : INT8_ROWS_K; }
 #define INT8_ROWS_Q8_EXACT 12 /* gemm_q8's rows where a step's rows must each get one row's bits */
 #ifdef WQ_TILES
 #define INT8_ROWS_Q8 5 /* gemm_vnni's 16 rows a vector cost less than gemm_q8's passes from 5 rows, more below */
@@ -3532,7 +3541,7 @@ int qgemm_int8_vectors_4(void) {
 /* the batch size from which auto stops taking gemm_k for the two-level layouts (where AMX does not take them) */
 int qgemm_int8_rows_k(void) {
 #ifdef WQ_AVX2
-    return INT8_ROWS_K;
+    return rows_k();
 #else
     return 0; /* the portable build: float32 for every batch */
 #endif
@@ -3604,7 +3613,7 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
         return;
     }
 #endif
-    if (act == ACT_AUTO && M < INT8_ROWS_K && gemm_k_serves(bits, sgn, G, sfmt, K)) {
+    if (act == ACT_AUTO && M < rows_k() && gemm_k_serves(bits, sgn, G, sfmt, K)) {
         gemm_k(x, x_bf16, M, K, w, bits, sgn, G, scales, &mn, bias, res, out, out_bf16, ldo, N);
         return;
     }
