@@ -388,6 +388,28 @@ def test_a_step_verifying_drafts_gives_each_row_of_int8_blocks_what_it_gets_alon
 
 
 @needs_native
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_step_verifying_drafts_keeps_k_quants_row_by_row_below_32_rows_with_avx2(kind):
+    """With AVX2, auto takes the K-quants' batches to int8 vectors (gemm_i8k) from 16 rows, but a speculative
+    verification step (rows_exact) keeps them row by row below 32 (gemm_k, as one row is), so each row of a 20-row
+    step gets the numbers decoding it alone gets; the setting is undone after."""
+    before = native.int8_rows_k()
+    if before != 16:
+        pytest.skip("not an AVX2 build without AVX-512 VNNI (their limits differ: 28, or 0 in the portable build)")
+    n, k, rows = 42, 512, 20
+    w = from_gguf(random_blocks(kind, n, k, seed=5), kind, n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(6)).bfloat16()
+    y, one = torch.empty(rows, n), torch.empty(1, n)
+    with native.rows_exact():
+        assert native.int8_rows_k() == 32
+        native.qgemm(x, w, y, act=AUTO)
+        for r in range(rows):
+            native.qgemm(x[r : r + 1].contiguous(), w, one, act=AUTO)
+            assert torch.equal(one[0], y[r]), r
+    assert native.int8_rows_k() == before
+
+
+@needs_native
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1"])
 def test_amx_bf16_tiles_give_one_level_blocks_their_float_sums(kind):
     """Where the CPU has AMX, auto multiplies Q4_0, Q4_1 and Q5_1 from 4 bf16 rows by bf16 tiles, q and x exact in bf16: 33 rows against 100 weight rows (three 32-row tasks and 4 rows past
