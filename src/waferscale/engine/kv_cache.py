@@ -122,7 +122,7 @@ class KVPool:
     per token, KV head and 64 channels ([group_size, pages * block_size, kv_heads, kv_int8.num_scales(head_dim)])
     and is read in `compute_dtype`.
 
-    Page 0 stays zero: padded reads point there. Pages are touched only when written.
+    Page 0 stays zero: padded reads point there. The pool is zeroed, so resident, from the start (below).
     """
 
     def __init__(
