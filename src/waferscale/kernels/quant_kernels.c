@@ -1280,13 +1280,13 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
  * EPYC (Zen 1, AVX2, no VNNI: its slowest integer units) with bench_qgemm.py, 1B shapes, time of the integer path
  * over the panels': the K-quants 0.63-0.75x at 10 rows, 0.81-1.08x at 16, 0.87-1.17x at 24; 8-bit blocks 0.75-0.94x
  * at 10, 0.90-1.16x at 16, 1.3-1.45x at 32. CPUs with VNNI or full-width AVX2 units favour the integer paths more.
- * Where the batches go to int8 vectors instead: gemm_i8k (AVX2) takes the K-quants from 32 rows (set against
+ * Where the batches go to int8 vectors instead: gemm_i8k (AVX2) took the K-quants from 32 rows (set against
  * gemm_i8v, which took them before it, as built for AVX2 on a 2-core Zen 5 EPYC, 1B shapes, Q4_K and Q6_K: gemm_k's
  * time over gemm_i8v's 0.67-0.80x at 16-20 rows, 0.79-0.97x at 24, 0.82-0.98x at 32; gemm_i8k's over gemm_k's
  * 0.81-1.05x at 16 rows, 0.88-1.10x at 24). On a 2-core Zen 3 EPYC (AVX2 only) gemm_i8k is the faster from 16
  * rows (its time over gemm_k's, Qwen3-30B-A3B's experts and dense projections and 1B shapes: Q4_K 0.74-0.80x at 16
- * rows, 0.79-0.87x at 24, 1.07-1.29x at 12, 1.36-1.95x at 8; Q6_K 0.63-0.74x, 0.69-0.78x, 0.86-0.95x, 1.20-1.35x;
- * it costs as much for 9-16 rows as for 16), so from 16 there, except in a step that verifies drafts (rows_exact),
+ * rows, 0.79-0.87x at 24, 0.97-1.29x at 12, 1.36-1.95x at 8; Q6_K 0.63-0.74x, 0.69-0.78x, 0.86-0.95x, 1.20-1.35x;
+ * it costs as much for 9-16 rows as for 16), so AVX2 builds take it from 16, except in a step that verifies drafts (rows_exact),
  * which keeps gemm_k below 32 rows. With AVX-512 VNNI gemm_i8k's 512-bit
  * passes take them from 28 (its time over gemm_k's 0.71-1.29x at 16-24 rows, parity), set when gemm_vnni took them: it
  * costs as much for 17-32 rows as for 32 (16 input rows a vector), and gemm_k is faster up to 28 (2-core Zen 5 EPYC, 1B
