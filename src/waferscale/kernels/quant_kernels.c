@@ -23,9 +23,9 @@
  *       VNNI), then scaled once in float32; the mins meet the float32 sum of x over their group. Every row's result
  *       depends only on that row, never on the batch.
  *   auto (the default): below INT8_ROWS_K rows (16 with AVX2, 32 in a step verifying drafts; 28 with AVX-512 VNNI)
- *       the two-level layouts (K-quants, int4)
- *       with activations rounded to int8 per 256 and integer sums over each super-block (gemm_k), and below
- *       INT8_ROWS_Q8 (12; 5 with AVX-512 VNNI) 8-bit blocks (Q8_0, Q5_0, int8) with activations rounded per 32
+ *       the two-level layouts (K-quants, int4) with activations rounded to int8 per 256 and integer sums over
+ *       each super-block (gemm_k), and below INT8_ROWS_Q8 (12; 5 with AVX-512 VNNI) 8-bit blocks (Q8_0, Q5_0,
+ *       int8) with activations rounded per 32
  *       (gemm_q8), as llama.cpp multiplies them; on CPUs with AMX,
  *       8-bit blocks from AMX_ROWS_Q8 (3) rows and the two-level layouts (Q4_K, Q5_K, Q6_K) from AMX_ROWS_K (16)
  *       with activations per 32 by int8 tiles (gemm_amx, gemm_amx16), 8-bit blocks below 3 rows by q8_exact (the
@@ -1286,10 +1286,10 @@ KROWS_FN(4, 0, 0) KROWS_FN(8, 1, 1) KROWS_FN(8, 0, 0) KROWS_FN(6, 1, 1)
  * 0.81-1.05x at 16 rows, 0.88-1.10x at 24). On a 2-core Zen 3 EPYC (AVX2 only) gemm_i8k is the faster from 16
  * rows (its time over gemm_k's, Qwen3-30B-A3B's experts and dense projections and 1B shapes: Q4_K 0.74-0.80x at 16
  * rows, 0.79-0.87x at 24, 0.97-1.29x at 12, 1.36-1.95x at 8; Q6_K 0.63-0.74x, 0.69-0.78x, 0.86-0.95x, 1.20-1.35x;
- * it costs as much for 9-16 rows as for 16), so AVX2 builds take it from 16, except in a step that verifies drafts (rows_exact),
- * which keeps gemm_k below 32 rows. With AVX-512 VNNI gemm_i8k's 512-bit
- * passes take them from 28 (its time over gemm_k's 0.71-1.29x at 16-24 rows, parity), set when gemm_vnni took them: it
- * costs as much for 17-32 rows as for 32 (16 input rows a vector), and gemm_k is faster up to 28 (2-core Zen 5 EPYC, 1B
+ * it costs as much for 9-16 rows as for 16), so AVX2 builds take it from 16, except in a step that verifies drafts
+ * (rows_exact), which keeps gemm_k below 32 rows. With AVX-512 VNNI gemm_i8k's 512-bit passes take them from 28
+ * (its time over gemm_k's 0.71-1.29x at 16-24 rows, parity), set when gemm_vnni took them: it costs as much for
+ * 17-32 rows as for 32 (16 input rows a vector), and gemm_k is faster up to 28 (2-core Zen 5 EPYC, 1B
  * shapes, gemm_k's time over gemm_vnni's: Q4_K 0.67-0.90x at 16 rows, 0.52-0.72x at 20, 0.75-0.79x at 24, 0.89-0.98x at
  * 28, 0.96-1.09x at 32; Q6_K 0.80-0.93x, 0.65-0.77x, 0.86-0.92x, 0.98-1.03x, 0.95-1.08x). So a few streams' speculative
  * verification steps keep one-row decoding's numbers too. */
