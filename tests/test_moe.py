@@ -306,6 +306,39 @@ def test_one_native_call_matches_the_python_loop(kind, routing):
         assert ((whole.float() - ref).abs() <= 2**-7 * (ref.abs() + want.abs()) + 1e-30).all(), rows
 
 
+@pytest.mark.skipif(native is None, reason="native kernels could not be built here")
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_step_verifying_drafts_gives_every_thread_of_the_experts_call_the_one_row_paths(kind):
+    """In a step that verifies drafts (rows_exact) a quantized expert's rows take the paths that give each row its
+    one-row bits (Q4_1: gemm_i4m up to 11 rows; Q8_0: gemm_q8) on every thread of the one native call, as the
+    experts' modules called one by one on the engine's thread do: an expert of 9 rows gives the same bits both ways
+    (the call's other threads had taken the batch paths, gemm_i16b from 8 rows)."""
+    torch.manual_seed(6)
+    hidden, inter, experts = 256, 256, 8
+    layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, SOFTMAX_TOPK, True))
+    router = torch.randn(experts, hidden) * 0.3
+    router[:, 0] = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, -10.0])  # expert 0 takes every row
+    layer.gate.load([router.bfloat16()], None, "gate")
+    for e, expert in enumerate(layer.experts):
+        for proj, shape in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+            getattr(expert, proj).load([_expert_weight(kind, shape, seed=10 * e + len(proj))], None, f"e{e}.{proj}")
+    ctx = LoadContext(torch.bfloat16, native, kernels.cpu_has_native_bf16())
+    for m in layer.modules():
+        if hasattr(m, "process_weights_after_loading"):
+            m.process_weights_after_loading(ctx)
+    method = layer.experts.method
+    assert isinstance(method, NativeExperts)
+    x = torch.randn(9, hidden).bfloat16()
+    x[:, 0] = 4.0
+    logits = layer.gate(x)
+    weights, _ = layer.routing.route(logits)
+    ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :ACTIVE].contiguous()
+    assert (ids == 0).any(-1).all()
+    with native.rows_exact():
+        got, want = method.apply(x, ids, weights.bfloat16()), method.fallback.apply(x, ids, weights.bfloat16())
+    assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- the family from a folder
 
 

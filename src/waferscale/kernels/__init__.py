@@ -870,8 +870,9 @@ class NativeKernels:
     @contextlib.contextmanager
     def rows_exact(self, on: bool = True) -> Iterator[None]:
         """While on, this thread's quantized products give each row of a batch the bits it gets alone wherever a row
-        path can take the batch (8-bit and one-level 4-bit blocks up to 11 rows): a step verifying speculative drafts
-        must give each draft's row what decoding it alone would, or speculation could change a greedy answer."""
+        path can take the batch (8-bit and one-level 4-bit blocks up to 11 rows, the K-quants up to 31 with AVX2),
+        and so do the native mixture-of-experts call's other threads: a step verifying speculative drafts must give
+        each draft's row what decoding it alone would, or speculation could change a greedy answer."""
         was = self.lib.qgemm_set_rows_exact(int(on))
         try:
             yield

@@ -1254,6 +1254,8 @@ void qgemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
 void qgemm_rows(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits, int sgn, int64_t G,
                 const void *scales_v, const void *mins_v, const float *sup, const float *supm, int sfmt,
                 const float *bias, void *out, int out_bf16, int64_t ldo, int64_t n0, int64_t N, int act);
+int qgemm_set_rows_exact(int on);
+int qgemm_rows_exact(void);
 void mxfp4_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *q, const uint8_t *e, int64_t n,
                 int interleaved, int int8_act, const float *bias, const uint16_t *res, void *out, int out_bf16,
                 int64_t ldo);
@@ -1548,7 +1550,8 @@ static inline int64_t share(int64_t n, int t, int T) { return t >= T ? n : (n * 
  * expert's projections in one parallel region, each thread taking its share of every expert's outputs (gate/up
  * rows, then SiLU chunks, then down columns and their sums), instead of one parallel GEMM an expert: a decode step's
  * experts are a few MB each, too little to amortise a parallel region apiece. The same values as the per-expert
- * calls (a slice of qgemm's rows, silu_mul_bf16's chunks, the sums in expert order). */
+ * calls (a slice of qgemm's rows, silu_mul_bf16's chunks, the sums in expert order), a step verifying drafts
+ * included: the calling thread's qgemm_set_rows_exact setting holds on every thread of the region. */
 static void moe_experts_few(const uint16_t *xs, const int64_t *tokens, const uint16_t *w, const int64_t *counts,
                             const proj_t *gate_up, const proj_t *down, int64_t num_experts, int64_t E, int64_t I,
                             const moe_act_t *a, float *out) {
@@ -1558,8 +1561,10 @@ static void moe_experts_few(const uint16_t *xs, const int64_t *tokens, const uin
     uint16_t *act = (uint16_t *)malloc((size_t)(S * I) * sizeof(uint16_t));
     uint16_t *y = (uint16_t *)malloc((size_t)(S * E) * sizeof(uint16_t));
     const int64_t chunks = (I + 255) / 256;
+    const int exact = qgemm_rows_exact(); /* a step verifying drafts: its setting for every thread of the team */
 #pragma omp parallel
     {
+        const int was = qgemm_set_rows_exact(exact);
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t g0 = share(2 * I, t, T), g1 = share(2 * I, t + 1, T);
         for (int64_t e = 0, s = 0; e < num_experts; s += counts[e], e++)
@@ -1576,6 +1581,7 @@ static void moe_experts_few(const uint16_t *xs, const int64_t *tokens, const uin
             const float wv = bf16_to_f32(w[s]);
             for (int64_t j = d0; j < d1; j++) o[j] += round_bf16(bf16_to_f32(y[s * E + j]) * wv);
         }
+        qgemm_set_rows_exact(was);
     }
     free(gu);
     free(act);

@@ -3558,12 +3558,16 @@ int qgemm_int8_vectors_block_k(void) {
 }
 
 /* whether this thread's qgemm calls give each row of a batch the bits it gets alone where a path allows it (8-bit
- * and one-level 4-bit blocks up to INT8_ROWS_Q8_EXACT rows): on while a step verifies drafts; returns the setting before */
+ * and one-level 4-bit blocks up to INT8_ROWS_Q8_EXACT rows, the K-quants up to INT8_ROWS_K_EXACT): on while a step
+ * verifies drafts; returns the setting before */
 int qgemm_set_rows_exact(int on) {
     const int was = rows_exact;
     rows_exact = on;
     return was;
 }
+
+/* this thread's setting (a parallel region's callers hand it to their team: it is per thread) */
+int qgemm_rows_exact(void) { return rows_exact; }
 
 /* the int8 vector batches (gemm_vnni with AVX-512 VNNI, else gemm_i8v with AVX2) on or off for this process
  * (benchmarks and tests compare the paths); returns whether they are on (0 where the build has neither) */
