@@ -5,8 +5,9 @@ Usage: .venv/bin/python scripts/bench_mix.py MODEL [--streams 32] [--requests 64
            [--speculative none]
 MODEL: a GGUF file or Hugging Face folder, loaded as `waferscale serve` loads it (bf16, --quantization auto).
 --speculative ngram drafts only while at most 4 sequences decode (SpeculativeConfig.max_seqs: beyond, a step is
-bound by compute), so it matters for --streams 4 or fewer. Prints output tokens/s over the whole mix, the median step (a decode step of N rows), and the seconds spent in
-steps over 400 ms (the prompts' prefill chunks). Compare code versions alternately on a quiet machine.
+bound by compute), so it matters for --streams 4 or fewer. Prints output tokens/s over the whole mix, the median
+step (a decode step of N rows), and the seconds spent in steps over 400 ms (the prompts' prefill chunks). Compare
+code versions alternately on a quiet machine.
 """
 
 from __future__ import annotations

@@ -244,6 +244,31 @@ def _expert_weight(kind: str, shape: tuple[int, int], seed: int):
     return from_gguf(random_blocks(kind, *shape, seed=seed), kind, *shape)
 
 
+def _native_layer(kind: str, routing, hidden: int = 256, inter: int = 256, experts: int = 8) -> SparseMoE:
+    """A bf16 layer of `kind` experts (seeded), routed by `routing` (gpt-oss: biases and the clamped SwiGLU), its
+    weights processed for the native calls; expert 0 is in every row's top 2 where x[:, 0] is large, the last in
+    none."""
+    gpt_oss = routing == GPT_OSS
+    if gpt_oss:
+        layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, TOPK_SOFTMAX), act="swiglu_clamped",
+                          router_bias=True, expert_bias=True, act_params={"alpha": 1.702, "limit": 7.0})
+    else:
+        layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, *routing))
+    router = torch.randn(experts, hidden) * 0.3
+    router[:, 0] = torch.tensor([10.0] + [0.0] * (experts - 2) + [-10.0])
+    layer.gate.load([router.bfloat16()], torch.randn(experts) * 0.1 if gpt_oss else None, "gate")
+    for e, expert in enumerate(layer.experts):
+        for proj, shape in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+            w = _expert_weight(kind, shape, seed=10 * e + len(proj))
+            bias = torch.randn(shape[0]) * 6 if gpt_oss else None  # gate/up beyond the clamps at +-7 now and then
+            getattr(expert, proj).load([w], bias, f"experts.{e}.{proj}")
+    ctx = LoadContext(torch.bfloat16, native, kernels.cpu_has_native_bf16())
+    for m in layer.modules():
+        if hasattr(m, "process_weights_after_loading"):
+            m.process_weights_after_loading(ctx)
+    return layer
+
+
 @pytest.mark.skipif(native is None, reason="native kernels could not be built here")
 @pytest.mark.parametrize(
     "kind, routing",
@@ -261,23 +286,7 @@ def test_one_native_call_matches_the_python_loop(kind, routing):
     torch.manual_seed(5)
     hidden, inter, experts = 256, 256, 8
     gpt_oss = routing == GPT_OSS
-    if gpt_oss:
-        layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, TOPK_SOFTMAX), act="swiglu_clamped",
-                          router_bias=True, expert_bias=True, act_params={"alpha": 1.702, "limit": 7.0})
-    else:
-        layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, *routing))
-    router = torch.randn(experts, hidden) * 0.3
-    router[:, 0] = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, -10.0])  # expert 0 in every row's top 2, the last in none
-    layer.gate.load([router.bfloat16()], torch.randn(experts) * 0.1 if gpt_oss else None, "gate")
-    for e, expert in enumerate(layer.experts):
-        for proj, shape in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
-            w = _expert_weight(kind, shape, seed=10 * e + len(proj))
-            bias = torch.randn(shape[0]) * 6 if gpt_oss else None  # gate/up beyond the clamps at +-7 now and then
-            getattr(expert, proj).load([w], bias, f"experts.{e}.{proj}")
-    ctx = LoadContext(torch.bfloat16, native, kernels.cpu_has_native_bf16())
-    for m in layer.modules():
-        if hasattr(m, "process_weights_after_loading"):
-            m.process_weights_after_loading(ctx)
+    layer = _native_layer(kind, routing)
     method = layer.experts.method
     assert isinstance(method, NativeExperts) and isinstance(method.fallback, GroupedExperts)
     assert layer.native_weights() is not None
@@ -314,21 +323,10 @@ def test_a_step_verifying_drafts_gives_every_thread_of_the_experts_call_the_one_
     experts' modules called one by one on the engine's thread do: an expert of 9 rows gives the same bits both ways
     (the call's other threads had taken the batch paths, gemm_i16b from 8 rows)."""
     torch.manual_seed(6)
-    hidden, inter, experts = 256, 256, 8
-    layer = SparseMoE(hidden, experts, inter, Routing(ACTIVE, SOFTMAX_TOPK, True))
-    router = torch.randn(experts, hidden) * 0.3
-    router[:, 0] = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, -10.0])  # expert 0 takes every row
-    layer.gate.load([router.bfloat16()], None, "gate")
-    for e, expert in enumerate(layer.experts):
-        for proj, shape in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
-            getattr(expert, proj).load([_expert_weight(kind, shape, seed=10 * e + len(proj))], None, f"e{e}.{proj}")
-    ctx = LoadContext(torch.bfloat16, native, kernels.cpu_has_native_bf16())
-    for m in layer.modules():
-        if hasattr(m, "process_weights_after_loading"):
-            m.process_weights_after_loading(ctx)
+    layer = _native_layer(kind, (SOFTMAX_TOPK, True))  # expert 0 takes every row
     method = layer.experts.method
     assert isinstance(method, NativeExperts)
-    x = torch.randn(9, hidden).bfloat16()
+    x = torch.randn(9, 256).bfloat16()
     x[:, 0] = 4.0
     logits = layer.gate(x)
     weights, _ = layer.routing.route(logits)
