@@ -65,6 +65,27 @@ def test_every_gguf_format_decodes_exactly(kind):
     if native is not None:
         assert torch.equal(native.qdequant(w), want)
         assert torch.equal(native.qdequant(w, slice(5, 9)), want[5:9])
+        ids = torch.tensor([7, 0, 23, 7])
+        assert torch.equal(native.qdequant_rows(w, ids), want[ids])
+
+
+@needs_native
+def test_a_quantized_embedding_looks_rows_up_natively_with_the_same_values():
+    """A quantized token table read by the native lookup gives the rows the PyTorch ops give, in the model's dtype;
+    an id past the table is an IndexError, as PyTorch's indexing raises, with nothing read."""
+    from waferscale.models.layers.linear import LoadContext
+    from waferscale.models.quant import QuantEmbedding
+
+    for kind in ("Q8_0", "Q4_K", "Q6_K"):
+        w = from_gguf(random_blocks(kind, 40, 512, seed=3), kind, 40, 512)
+        table = QuantEmbedding(w, torch.bfloat16)
+        ids = torch.tensor([[3, 39, 0], [17, 3, 8]])
+        want = table(ids)
+        table.process_weights_after_loading(LoadContext(torch.bfloat16, native, False))
+        assert table.native is native
+        assert torch.equal(table(ids), want), kind
+        with pytest.raises(IndexError, match="row 40 is out of range"):
+            table(torch.tensor([1, 40]))
 
 
 def test_the_real_gemma_files_blocks_decode_exactly(gemma3_gguf):

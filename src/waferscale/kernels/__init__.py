@@ -154,6 +154,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qgemm.restype = None
     lib.qdequant.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, ptr]
     lib.qdequant.restype = None
+    lib.qdequant_rows.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, ctypes.c_int, i64, ptr]
+    lib.qdequant_rows.argtypes += [i64, i64, ptr]
+    lib.qdequant_rows.restype = i64
     lib.qgemm_set_amx.argtypes = [ctypes.c_int]
     lib.qgemm_set_amx.restype = ctypes.c_int
     lib.qgemm_set_int8_vectors.argtypes = [ctypes.c_int]
@@ -972,6 +975,31 @@ class NativeKernels:
             int(out.dtype == torch.bfloat16),
             out.stride(0),
         )
+
+    def qdequant_rows(self, w, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of a QuantWeight at ids as float32 [len(ids), K], the values qdequant gives; IndexError for an id
+        outside 0 .. N - 1, as indexing the rows in PyTorch raises."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.shape[0], w.in_features, dtype=torch.float32)
+        bad = self.lib.qdequant_rows(
+            w.qweight.data_ptr(),
+            w.bits,
+            int(w.signed),
+            w.group,
+            w.scales.data_ptr(),
+            _ptr(w.mins),
+            _ptr(w.sup),
+            _ptr(w.supm),
+            w.scale_format,
+            w.out_features,
+            ids.data_ptr(),
+            ids.shape[0],
+            w.in_features,
+            out.data_ptr(),
+        )
+        if bad != -1:
+            raise IndexError(f"row {bad} is out of range for a weight of {w.out_features} rows")
+        return out
 
     def qdequant(self, w, rows: slice = slice(None)) -> torch.Tensor:
         """Rows of a QuantWeight as float32 [n, K] (scale * q + min, exactly)."""

@@ -3735,6 +3735,17 @@ void qgemm_rows(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
 
 /* out [N, K] float32 = scale * q + min for rows of W in either layout (prefill's tiles, embeddings' rows), the
  * product rounded before the min is added: the same weights the float32 path multiplies. */
+/* one row of weights as float32 (scale * q + min, in that order: the values QuantWeight.dequantize gives) */
+__attribute__((optimize("fp-contract=off"))) static void dequant_row(const uint8_t *wn, int bits, int sgn, int64_t G,
+                                                                     const sc_t *sr, const sc_t *mr, int mins,
+                                                                     int64_t K, float *out) {
+    for (int64_t k = 0; k < K; k++) {
+        const float q = (float)block_q(wn + k / QB * BLOCK_BYTES(bits), bits, sgn, (int)(k % QB));
+        const float v = sc_at(sr, k / G) * q;
+        out[k] = mins ? v + sc_at(mr, k / G) : v;
+    }
+}
+
 __attribute__((optimize("fp-contract=off"))) void qdequant(const uint8_t *w, int bits, int sgn, int64_t G,
                                                            const void *scales, const void *mins, const float *sup,
                                                            const float *supm, int sfmt, int64_t N, int64_t K,
@@ -3743,13 +3754,28 @@ __attribute__((optimize("fp-contract=off"))) void qdequant(const uint8_t *w, int
     const sc_t sc = sc_of(scales, sup, sfmt, sgn, G), mn = sc_of(mins, supm, sfmt, 0, G);
 #pragma omp parallel for schedule(static) if (N * K > 65536)
     for (int64_t n = 0; n < N; n++) {
-        const uint8_t *wn = w + n * row_bytes;
         const sc_t sr = sc_row(sc, n, ng), mr = sc_row(mn, n, ng);
-        for (int64_t k = 0; k < K; k++) {
-            const float q = (float)block_q(wn + k / QB * BLOCK_BYTES(bits), bits, sgn, (int)(k % QB));
-            const float v = sc_at(&sr, k / G) * q;
-            out[n * K + k] = mins ? v + sc_at(&mr, k / G) : v;
-        }
+        dequant_row(w + n * row_bytes, bits, sgn, G, &sr, &mr, mins != NULL, K, out + n * K);
     }
+}
+
+/* rows ids[0 .. n) of a weight matrix of N rows as qdequant gives them, out [n, K]: a quantized token embedding's
+ * lookup (a decode step's one row without the PyTorch ops of slicing and widening blocks); returns the first id out
+ * of 0 .. N - 1 (nothing written), else -1 */
+__attribute__((optimize("fp-contract=off"))) int64_t qdequant_rows(const uint8_t *w, int bits, int sgn, int64_t G,
+                                                                   const void *scales, const void *mins,
+                                                                   const float *sup, const float *supm, int sfmt,
+                                                                   int64_t N, const int64_t *ids, int64_t n,
+                                                                   int64_t K, float *out) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return ids[i];
+    const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K);
+    const sc_t sc = sc_of(scales, sup, sfmt, sgn, G), mn = sc_of(mins, supm, sfmt, 0, G);
+#pragma omp parallel for schedule(static) if (n * K > 65536)
+    for (int64_t i = 0; i < n; i++) {
+        const sc_t sr = sc_row(sc, ids[i], ng), mr = sc_row(mn, ids[i], ng);
+        dequant_row(w + ids[i] * row_bytes, bits, sgn, G, &sr, &mr, mins != NULL, K, out + i * K);
+    }
+    return -1;
 }
 #endif /* WQ_PART != 2 */

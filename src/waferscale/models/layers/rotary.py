@@ -4,6 +4,7 @@ frequency factors) and cos/sin tables computed as transformers computes them."""
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -77,6 +78,10 @@ def rope_inv_freq(
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_KINDS)})")
 
 
+_CHUNK = 256  # positions whose cos/sin rows a single stream's decode steps compute at once and then read
+_CHUNKS_KEPT = 8  # chunks kept (a few hundred KB at most): one at a time is read while a stream decodes
+
+
 class Rotary(nn.Module):
     """cos/sin rows computed for the positions of each step, as transformers computes them (float32 products of
     position and inverse frequency, then cos/sin, scaled): no table over the whole context, which at 32k-128k
@@ -96,9 +101,24 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.scale = scale
         self.dtype = dtype
+        self._chunks: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()  # the latest, oldest first
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows for these positions, shaped [T, 1, head_dim] to broadcast over heads."""
+        if positions.numel() == 1:  # a single stream's decode step: a row of the chunk that holds its position
+            p = int(positions)
+            chunk = self._chunks.get(p // _CHUNK)
+            if chunk is None:
+                chunk = self._compute(torch.arange(p // _CHUNK * _CHUNK, (p // _CHUNK + 1) * _CHUNK))
+                self._chunks[p // _CHUNK] = chunk
+                if len(self._chunks) > _CHUNKS_KEPT:
+                    self._chunks.popitem(last=False)
+            i = p % _CHUNK
+            return chunk[0][i : i + 1], chunk[1][i : i + 1]
+        return self._compute(positions)
+
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions, elementwise (a position's values do not depend on the others')."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()

@@ -105,8 +105,17 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.qweight = weight
         self.dtype = dtype
+        self.native = None  # waferscale.kernels.NativeKernels: the rows dequantized in one call
+
+    def process_weights_after_loading(self, ctx) -> None:
+        """Look rows up natively where the kernels are built (the same values as dequantize's PyTorch ops)."""
+        if ctx.kernels is not None and self.qweight.scale_format != MXFP4_SCALES:
+            self.native = ctx.kernels
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.qweight
-        rows = w.take_rows(ids.reshape(-1))
-        return rows.dequantize().to(self.dtype).view(*ids.shape, w.in_features)
+        if self.native is not None:
+            rows = self.native.qdequant_rows(w, ids.reshape(-1))
+        else:
+            rows = w.take_rows(ids.reshape(-1)).dequantize()
+        return rows.to(self.dtype).view(*ids.shape, w.in_features)
