@@ -281,11 +281,33 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64
         }
         if (xf) memcpy(xf + m * K, xm, (size_t)K * sizeof(float));
         for (int64_t b = 0; b < (xq ? nb : 0); b++) {
+#ifdef WQ_AVX2
+            /* the scalar loop's values in vectors: cvtps rounds to nearest even, as lrintf; |values| <= 127 */
+            const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xm + b * QB + 8 * j);
+                mx = _mm256_max_ps(mx, _mm256_and_ps(v[j], abs));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            xs[m * nb + b] = d;
+            const __m256 vid = _mm256_set1_ps(id);
+            __m256i i32[4];
+            for (int j = 0; j < 4; j++) i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vid));
+            const __m256i w01 = _mm256_packs_epi32(i32[0], i32[1]), w23 = _mm256_packs_epi32(i32[2], i32[3]);
+            _mm256_storeu_si256((__m256i *)(xq + m * K + b * QB),
+                                _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
             float amax = 0.f;
             for (int i = 0; i < QB; i++) amax = fmaxf(amax, fabsf(xm[b * QB + i]));
             const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
             xs[m * nb + b] = d;
             for (int i = 0; i < QB; i++) xq[m * K + b * QB + i] = (int8_t)lrintf(xm[b * QB + i] * id);
+#endif
         }
         for (int64_t g = 0; g < (xg ? ng : 0); g++) {
             float s = 0.f;
