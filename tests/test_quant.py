@@ -69,23 +69,41 @@ def test_every_gguf_format_decodes_exactly(kind):
         assert torch.equal(native.qdequant_rows(w, ids), want[ids])
 
 
-@needs_native
-def test_a_quantized_embedding_looks_rows_up_natively_with_the_same_values():
-    """A quantized token table read by the native lookup gives the rows the PyTorch ops give, in the model's dtype;
-    an id past the table is an IndexError, as PyTorch's indexing raises, with nothing read."""
+def _native_table(w: QuantWeight):
+    """A token table of these blocks, its lookup chosen as a model's load chooses it (the native kernels here)."""
     from waferscale.models.layers.linear import LoadContext
     from waferscale.models.quant import QuantEmbedding
 
-    for kind in ("Q8_0", "Q4_K", "Q6_K"):
+    table = QuantEmbedding(w, torch.bfloat16)
+    table.process_weights_after_loading(LoadContext(torch.bfloat16, native, False))
+    return table
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q4_K", "Q6_K", "int8", "int4"])
+def test_a_quantized_embedding_looks_rows_up_natively_with_the_same_values(kind):
+    """A quantized token table (GGUF blocks, or --quantization's layouts) read by the native lookup gives the rows
+    the PyTorch ops give, in the model's dtype."""
+    if kind.startswith("int"):
+        w = quantize(torch.randn(40, 512, generator=torch.Generator().manual_seed(3)), kind)
+    else:
         w = from_gguf(random_blocks(kind, 40, 512, seed=3), kind, 40, 512)
-        table = QuantEmbedding(w, torch.bfloat16)
-        ids = torch.tensor([[3, 39, 0], [17, 3, 8]])
-        want = table(ids)
-        table.process_weights_after_loading(LoadContext(torch.bfloat16, native, False))
-        assert table.native is native
-        assert torch.equal(table(ids), want), kind
-        with pytest.raises(IndexError, match="row 40 is out of range"):
-            table(torch.tensor([1, 40]))
+    table = _native_table(w)
+    assert table.native is native
+    ids = torch.tensor([[3, 39, 0], [17, 3, 8]])
+    table.native = None  # the PyTorch ops' rows
+    want = table(ids)
+    table.native = native
+    assert torch.equal(table(ids), want)
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [40, -1])
+def test_a_token_id_past_the_table_is_an_index_error(bad):
+    """An id outside the table raises before anything is read (a negative one too: no id counts from the end)."""
+    table = _native_table(from_gguf(random_blocks("Q8_0", 40, 512, seed=3), "Q8_0", 40, 512))
+    with pytest.raises(IndexError, match=f"row {bad} is out of range for a weight of 40 rows"):
+        table(torch.tensor([1, bad]))
 
 
 def test_the_real_gemma_files_blocks_decode_exactly(gemma3_gguf):
@@ -531,6 +549,7 @@ for kind in FORMATS:
     w = from_gguf(blocks, kind, 16, 256)
     dense = reference(kind, blocks).reshape(16, 256)
     assert torch.equal(lib.qdequant(w), dense)
+    assert torch.equal(lib.qdequant_rows(w, torch.tensor([15, 0, 3])), dense[[15, 0, 3]])
     _check_matmul(w, dense, lib)
 _check_layouts(lib, rows_list=(1, 8))
 x, w = torch.randn(3, 1539), torch.randn(9, 1539)  # float32 weights too (cpu_kernels.c)

@@ -37,3 +37,12 @@ def test_the_chunks_kept_stay_bounded():
         rope(torch.tensor([p]))
     assert len(rope._chunks) == _CHUNKS_KEPT
     assert max(rope._chunks) == 39  # the latest positions' chunk is among those kept
+
+
+def test_a_cast_computes_the_chunks_again():
+    rope = Rotary(64, 10000.0, None, 4096, torch.float32)
+    rope(torch.tensor([300]))
+    rope.double()  # inv_freq now float64: the rows computed before the cast are not served after it
+    cos, sin = rope(torch.tensor([300]))
+    cos_all, sin_all = rope(torch.tensor([299, 300]))
+    assert torch.equal(cos, cos_all[1:]) and torch.equal(sin, sin_all[1:])

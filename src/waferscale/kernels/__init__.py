@@ -978,7 +978,7 @@ class NativeKernels:
 
     def qdequant_rows(self, w, ids: torch.Tensor) -> torch.Tensor:
         """The rows of a QuantWeight at ids as float32 [len(ids), K], the values qdequant gives; IndexError for an id
-        outside 0 .. N - 1, as indexing the rows in PyTorch raises."""
+        outside 0 .. N - 1 (negative ones included: a token id is never one)."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], w.in_features, dtype=torch.float32)
         bad = self.lib.qdequant_rows(
@@ -998,7 +998,7 @@ class NativeKernels:
             out.data_ptr(),
         )
         if bad != -1:
-            raise IndexError(f"row {bad} is out of range for a weight of {w.out_features} rows")
+            raise IndexError(f"row {int(ids[bad])} is out of range for a weight of {w.out_features} rows")
         return out
 
     def qdequant(self, w, rows: slice = slice(None)) -> torch.Tensor:

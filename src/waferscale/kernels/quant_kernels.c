@@ -282,12 +282,13 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64
         if (xf) memcpy(xf + m * K, xm, (size_t)K * sizeof(float));
         for (int64_t b = 0; b < (xq ? nb : 0); b++) {
 #ifdef WQ_AVX2
-            /* the scalar loop's values in vectors: cvtps rounds to nearest even, as lrintf; |values| <= 127 */
+            /* the scalar loop's values in vectors for finite x: cvtps rounds to nearest even, as lrintf;
+             * |values| <= 127 */
             const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
             __m256 v[4], mx = _mm256_setzero_ps();
             for (int j = 0; j < 4; j++) {
                 v[j] = _mm256_loadu_ps(xm + b * QB + 8 * j);
-                mx = _mm256_max_ps(mx, _mm256_and_ps(v[j], abs));
+                mx = _mm256_max_ps(_mm256_and_ps(v[j], abs), mx); /* a NaN skipped, as fmaxf skips it */
             }
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -3755,8 +3756,6 @@ void qgemm_rows(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
           out, out_bf16, ldo, N, act);
 }
 
-/* out [N, K] float32 = scale * q + min for rows of W in either layout (prefill's tiles, embeddings' rows), the
- * product rounded before the min is added: the same weights the float32 path multiplies. */
 /* one row of weights as float32 (scale * q + min, in that order: the values QuantWeight.dequantize gives) */
 __attribute__((optimize("fp-contract=off"))) static void dequant_row(const uint8_t *wn, int bits, int sgn, int64_t G,
                                                                      const sc_t *sr, const sc_t *mr, int mins,
@@ -3768,6 +3767,8 @@ __attribute__((optimize("fp-contract=off"))) static void dequant_row(const uint8
     }
 }
 
+/* out [N, K] float32 = scale * q + min for rows of W in either layout (prefill's tiles, embeddings' rows), the
+ * product rounded before the min is added: the same weights the float32 path multiplies. */
 __attribute__((optimize("fp-contract=off"))) void qdequant(const uint8_t *w, int bits, int sgn, int64_t G,
                                                            const void *scales, const void *mins, const float *sup,
                                                            const float *supm, int sfmt, int64_t N, int64_t K,
@@ -3782,15 +3783,15 @@ __attribute__((optimize("fp-contract=off"))) void qdequant(const uint8_t *w, int
 }
 
 /* rows ids[0 .. n) of a weight matrix of N rows as qdequant gives them, out [n, K]: a quantized token embedding's
- * lookup (a decode step's one row without the PyTorch ops of slicing and widening blocks); returns the first id out
- * of 0 .. N - 1 (nothing written), else -1 */
+ * lookup (a decode step's one row without the PyTorch ops of slicing and widening blocks); returns the place in
+ * ids of the first id out of 0 .. N - 1 (nothing written), else -1 */
 __attribute__((optimize("fp-contract=off"))) int64_t qdequant_rows(const uint8_t *w, int bits, int sgn, int64_t G,
                                                                    const void *scales, const void *mins,
                                                                    const float *sup, const float *supm, int sfmt,
                                                                    int64_t N, const int64_t *ids, int64_t n,
                                                                    int64_t K, float *out) {
     for (int64_t i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= N) return ids[i];
+        if (ids[i] < 0 || ids[i] >= N) return i;
     const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K);
     const sc_t sc = sc_of(scales, sup, sfmt, sgn, G), mn = sc_of(mins, supm, sfmt, 0, G);
 #pragma omp parallel for schedule(static) if (n * K > 65536)

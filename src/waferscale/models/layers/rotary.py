@@ -79,13 +79,16 @@ def rope_inv_freq(
 
 
 _CHUNK = 256  # positions whose cos/sin rows a single stream's decode steps compute at once and then read
-_CHUNKS_KEPT = 8  # chunks kept (a few hundred KB at most): one at a time is read while a stream decodes
+# chunks kept (each 2 x 256 x head_dim values: 256 KB for head_dim 256 in bf16): one at a time is read while a stream
+# decodes, the one before it while streams at other positions take turns
+_CHUNKS_KEPT = 2
 
 
 class Rotary(nn.Module):
     """cos/sin rows computed for the positions of each step, as transformers computes them (float32 products of
     position and inverse frequency, then cos/sin, scaled): no table over the whole context, which at 32k-128k
-    positions would hold 16-134 MB a model for rows a step mostly never reads."""
+    positions would hold 16-134 MB a model for rows a step mostly never reads; a single position's row is read from
+    the chunk of 256 positions that holds it, computed once (the same values: the ops are elementwise)."""
 
     def __init__(
         self,
@@ -116,6 +119,11 @@ class Rotary(nn.Module):
             i = p % _CHUNK
             return chunk[0][i : i + 1], chunk[1][i : i + 1]
         return self._compute(positions)
+
+    def _apply(self, fn, *args, **kwargs):
+        """A cast or move of the module (`.to()`, `.half()`) computes the chunks again from its new buffers."""
+        self._chunks.clear()
+        return super()._apply(fn, *args, **kwargs)
 
     def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for these positions, elementwise (a position's values do not depend on the others')."""
