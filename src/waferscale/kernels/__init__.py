@@ -264,6 +264,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _quant_args(w) -> tuple:
+    """A QuantWeight as quant_kernels.c's functions take it: blocks, bits, signedness, group, scales, mins, the
+    K-quants' per-256 scales of both (or NULL) and the scales' format."""
+    return (w.qweight.data_ptr(), w.bits, int(w.signed), w.group, w.scales.data_ptr(), _ptr(w.mins), _ptr(w.sup),
+            _ptr(w.supm), w.scale_format)
+
+
 _KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # cpu_kernels.c's KV_F32, KV_BF16, KV_I8
 
 
@@ -917,15 +924,7 @@ class NativeKernels:
             int(x.dtype == torch.bfloat16),
             m,
             k,
-            w.qweight.data_ptr(),
-            w.bits,
-            int(w.signed),
-            w.group,
-            w.scales.data_ptr(),
-            _ptr(w.mins),
-            _ptr(w.sup),
-            _ptr(w.supm),
-            w.scale_format,
+            *_quant_args(w),
             None if bias is None else bias.data_ptr(),
             None if residual is None else residual.data_ptr(),
             out.data_ptr(),
@@ -982,15 +981,7 @@ class NativeKernels:
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], w.in_features, dtype=torch.float32)
         bad = self.lib.qdequant_rows(
-            w.qweight.data_ptr(),
-            w.bits,
-            int(w.signed),
-            w.group,
-            w.scales.data_ptr(),
-            _ptr(w.mins),
-            _ptr(w.sup),
-            _ptr(w.supm),
-            w.scale_format,
+            *_quant_args(w),
             w.out_features,
             ids.data_ptr(),
             ids.shape[0],
@@ -1007,15 +998,7 @@ class NativeKernels:
         q = part.qweight
         out = torch.empty(q.shape[0], w.in_features, dtype=torch.float32)
         self.lib.qdequant(
-            q.data_ptr(),
-            w.bits,
-            int(w.signed),
-            w.group,
-            part.scales.data_ptr(),
-            _ptr(part.mins),
-            _ptr(part.sup),
-            _ptr(part.supm),
-            w.scale_format,
+            *_quant_args(part),
             q.shape[0],
             w.in_features,
             out.data_ptr(),

@@ -3767,19 +3767,29 @@ __attribute__((optimize("fp-contract=off"))) static void dequant_row(const uint8
     }
 }
 
+/* rows ids[0 .. n) of W (rows 0 .. n - 1 where ids is NULL) as float32, out [n, K] */
+__attribute__((optimize("fp-contract=off"))) static void dequant_rows(const uint8_t *w, int bits, int sgn, int64_t G,
+                                                                      const void *scales, const void *mins,
+                                                                      const float *sup, const float *supm, int sfmt,
+                                                                      const int64_t *ids, int64_t n, int64_t K,
+                                                                      float *out) {
+    const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K);
+    const sc_t sc = sc_of(scales, sup, sfmt, sgn, G), mn = sc_of(mins, supm, sfmt, 0, G);
+#pragma omp parallel for schedule(static) if (n * K > 65536)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = ids ? ids[i] : i;
+        const sc_t sr = sc_row(sc, r, ng), mr = sc_row(mn, r, ng);
+        dequant_row(w + r * row_bytes, bits, sgn, G, &sr, &mr, mins != NULL, K, out + i * K);
+    }
+}
+
 /* out [N, K] float32 = scale * q + min for rows of W in either layout (prefill's tiles, embeddings' rows), the
  * product rounded before the min is added: the same weights the float32 path multiplies. */
 __attribute__((optimize("fp-contract=off"))) void qdequant(const uint8_t *w, int bits, int sgn, int64_t G,
                                                            const void *scales, const void *mins, const float *sup,
                                                            const float *supm, int sfmt, int64_t N, int64_t K,
                                                            float *out) {
-    const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K);
-    const sc_t sc = sc_of(scales, sup, sfmt, sgn, G), mn = sc_of(mins, supm, sfmt, 0, G);
-#pragma omp parallel for schedule(static) if (N * K > 65536)
-    for (int64_t n = 0; n < N; n++) {
-        const sc_t sr = sc_row(sc, n, ng), mr = sc_row(mn, n, ng);
-        dequant_row(w + n * row_bytes, bits, sgn, G, &sr, &mr, mins != NULL, K, out + n * K);
-    }
+    dequant_rows(w, bits, sgn, G, scales, mins, sup, supm, sfmt, NULL, N, K, out);
 }
 
 /* rows ids[0 .. n) of a weight matrix of N rows as qdequant gives them, out [n, K]: a quantized token embedding's
@@ -3792,13 +3802,7 @@ __attribute__((optimize("fp-contract=off"))) int64_t qdequant_rows(const uint8_t
                                                                    int64_t K, float *out) {
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return i;
-    const int64_t ng = K / G, row_bytes = row_bytes_of(bits, K);
-    const sc_t sc = sc_of(scales, sup, sfmt, sgn, G), mn = sc_of(mins, supm, sfmt, 0, G);
-#pragma omp parallel for schedule(static) if (n * K > 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const sc_t sr = sc_row(sc, ids[i], ng), mr = sc_row(mn, ids[i], ng);
-        dequant_row(w + ids[i] * row_bytes, bits, sgn, G, &sr, &mr, mins != NULL, K, out + i * K);
-    }
+    dequant_rows(w, bits, sgn, G, scales, mins, sup, supm, sfmt, ids, n, K, out);
     return -1;
 }
 #endif /* WQ_PART != 2 */

@@ -109,14 +109,12 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows for these positions, shaped [T, 1, head_dim] to broadcast over heads."""
         if positions.numel() == 1:  # a single stream's decode step: a row of the chunk that holds its position
-            p = int(positions)
-            chunk = self._chunks.get(p // _CHUNK)
+            c, i = divmod(int(positions), _CHUNK)
+            chunk = self._chunks.get(c)
             if chunk is None:
-                chunk = self._compute(torch.arange(p // _CHUNK * _CHUNK, (p // _CHUNK + 1) * _CHUNK))
-                self._chunks[p // _CHUNK] = chunk
+                chunk = self._chunks[c] = self._compute(torch.arange(c * _CHUNK, (c + 1) * _CHUNK))
                 if len(self._chunks) > _CHUNKS_KEPT:
                     self._chunks.popitem(last=False)
-            i = p % _CHUNK
             return chunk[0][i : i + 1], chunk[1][i : i + 1]
         return self._compute(positions)
 
