@@ -3089,6 +3089,30 @@ static void q8_exact(const void *x, int x_bf16, int64_t M, int64_t K, const uint
 #endif
 
 #if WQ_PART != 1
+/* block b of weight rows n0 .. n0 + 31 a byte each, as gemm_amx's A tiles take them: ab[h][r] row n0 + 16 h + r's 32
+ * weights (5 bits as block_bytes gives them; 4 bits, byte j holding weights j and j + 16, through `table` where the
+ * layout has one) */
+static inline __attribute__((always_inline)) void amx_widen_block(const uint8_t *w, int64_t row_bytes, int64_t n0,
+                                                                  int64_t b, const int bits, const int sgn,
+                                                                  const int8_t *table, uint8_t ab[2][16][32]) {
+    const __m128i tab = table ? _mm_loadu_si128((const __m128i *)table) : _mm_setzero_si128();
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *blk = w + (n0 + 16 * h) * row_bytes + b * BLOCK_BYTES(bits);
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++, blk += row_bytes) {
+            if (bits == 5) {
+                _mm256_store_si256((__m256i *)ab[h][r], block_bytes(blk, 5, sgn));
+                continue;
+            }
+            const __m128i v = _mm_loadu_si128((const __m128i *)blk);
+            __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+            if (table) lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi);
+            _mm256_store_si256((__m256i *)ab[h][r], _mm256_set_m128i(hi, lo));
+        }
+    }
+}
+
 WQ_PART2_KERNEL void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                               const int sgn, const sc_t *ws, const sc_t *wm, const float *bias, const uint16_t *res,
                               void *out, int out_bf16, int64_t ldo, int64_t N, const int8_t *table) {
@@ -3110,13 +3134,17 @@ WQ_PART2_KERNEL void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, c
         int32_t c[4][16][16] __attribute__((aligned(64)));
         float *wsf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [32][nb] the task's weight scales */
         float *wmf = (float *)malloc((size_t)(nb * 32) * sizeof(float)); /* [32][nb] and mins */
-        uint8_t ab[2][16][32] __attribute__((aligned(64)));                 /* 4-bit blocks widened to bytes */
-        const __m128i tab = table ? _mm_loadu_si128((const __m128i *)table) : _mm_setzero_si128();
+        uint8_t ab[2][16][32] __attribute__((aligned(64))); /* a block of 4- or 5-bit weights widened to bytes */
+        /* more than one pass over the input rows: the task's blocks widened once, [nb][2][16][32], for every pass */
+        uint8_t(*staged)[16][32] =
+            bits != 8 && mg > 2 ? (uint8_t(*)[16][32])aligned_alloc(64, (size_t)(nb * 1024)) : NULL;
         __m512 acc[2][32];
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = 32 * t;
             task_scales(ws, wm, n0, nb, wsf, wmf); /* [32][nb]: per block */
+            if (staged)
+                for (int64_t b = 0; b < nb; b++) amx_widen_block(w, row_bytes, n0, b, bits, sgn, table, staged + 2 * b);
             const char *next = (const char *)(w + (n0 + 32) * row_bytes); /* the next task's rows */
             const int64_t lines = t + 1 < tasks ? 32 * row_bytes / 64 : 0;
             for (int64_t g0 = 0; g0 < mg; g0 += 2) {
@@ -3128,29 +3156,11 @@ WQ_PART2_KERNEL void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, c
                     if (bits == 8) {
                         _tile_loadd(4, w + n0 * K + b * QB, K);
                         _tile_loadd(5, w + (n0 + 16) * K + b * QB, K);
-                    } else if (bits == 5) { /* widened to bytes */
-                        for (int h = 0; h < 2; h++) {
-                            const uint8_t *blk = w + (n0 + 16 * h) * row_bytes + b * 20;
-#pragma GCC unroll 16
-                            for (int r = 0; r < 16; r++, blk += row_bytes)
-                                _mm256_store_si256((__m256i *)ab[h][r], block_bytes(blk, 5, sgn));
-                        }
-                        _tile_loadd(4, ab[0], 32);
-                        _tile_loadd(5, ab[1], 32);
-                    } else { /* byte j of a block: weight j in its low nibble, weight j + 16 in its high one */
-                        for (int h = 0; h < 2; h++) {
-                            const uint8_t *blk = w + (n0 + 16 * h) * row_bytes + b * 16;
-#pragma GCC unroll 16
-                            for (int r = 0; r < 16; r++, blk += row_bytes) {
-                                const __m128i v = _mm_loadu_si128((const __m128i *)blk);
-                                __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
-                                __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
-                                if (table) lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi);
-                                _mm256_store_si256((__m256i *)ab[h][r], _mm256_set_m128i(hi, lo));
-                            }
-                        }
-                        _tile_loadd(4, ab[0], 32);
-                        _tile_loadd(5, ab[1], 32);
+                    } else {
+                        uint8_t(*wb)[16][32] = staged ? staged + 2 * b : ab;
+                        if (!staged) amx_widen_block(w, row_bytes, n0, b, bits, sgn, table, ab);
+                        _tile_loadd(4, wb[0], 32);
+                        _tile_loadd(5, wb[1], 32);
                     }
                     _tile_loadd(6, bt + (g0 * nb + b) * 512, 64);
                     _tile_zero(0);
@@ -3183,20 +3193,17 @@ WQ_PART2_KERNEL void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, c
                     const float *wb = wsf + b, *mb = wmf + b; /* row i's: wb[i * nb], mb[i * nb] */
                     for (int gi = 0; gi < 1 + two; gi++) {
                         const __m512 xsv = _mm512_loadu_ps(xst + ((g0 + gi) * nb + b) * 16);
-                        if (wm) { /* the mins meet the rows' sums over the block */
-                            const __m512 xgv = _mm512_loadu_ps(xgt + ((g0 + gi) * nb + b) * 16);
-#pragma GCC unroll 32
-                            for (int i = 0; i < 32; i++)
-                                acc[gi][i] = _mm512_fmadd_ps(_mm512_set1_ps(mb[i * nb]), xgv, acc[gi][i]);
-                        }
+                        const __m512 xgv = wm ? _mm512_loadu_ps(xgt + ((g0 + gi) * nb + b) * 16) : xsv;
                         for (int h = 0; h < 2; h++) { /* tile 2 gi + h: weight rows 16 h .. 16 h + 15 */
                             const int32_t(*ct)[16] = c[2 * gi + h];
                             __m512 *a = acc[gi] + 16 * h;
-                            const float *wh = wb + 16 * h * nb;
+                            const float *wh = wb + 16 * h * nb, *mh = mb + 16 * h * nb;
 #pragma GCC unroll 16
-                            for (int i = 0; i < 16; i++) {
+                            for (int i = 0; i < 16; i++) { /* the mins meet the rows' sums over the block first */
+                                __m512 v = a[i];
+                                if (wm) v = _mm512_fmadd_ps(_mm512_set1_ps(mh[i * nb]), xgv, v);
                                 const __m512 p = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)ct[i]));
-                                a[i] = _mm512_fmadd_ps(p, _mm512_mul_ps(_mm512_set1_ps(wh[i * nb]), xsv), a[i]);
+                                a[i] = _mm512_fmadd_ps(p, _mm512_mul_ps(_mm512_set1_ps(wh[i * nb]), xsv), v);
                             }
                         }
                     }
@@ -3209,6 +3216,7 @@ WQ_PART2_KERNEL void gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, c
         }
         free(wsf);
         free(wmf);
+        free(staged);
         _tile_release();
     }
     if (tasks * 32 < N)
