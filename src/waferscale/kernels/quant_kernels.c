@@ -3005,9 +3005,9 @@ static int gemm_amx_serves(int64_t M, int bits, int sgn, int64_t G, int sfmt, co
  * products (int8 activations per 32), but each block's dot summed whole and scaled as gemm_amx scales it (float(dot)
  * times (weight scale times row scale), added block after block from zero; the rows past the tiles' last task in
  * amx_tail, as there). So a row gets the same bits alone as in any batch: a speculative verification step's rows
- * give what one-row decoding gives. 16 weight rows a vector: two rows' blocks in each of 8 registers (w + 128, so
- * that dpbusd takes them unsigned; 128 x the block's sum of x taken off after), the 8 partial sums of each row
- * folded together. */
+ * give what one-row decoding gives. 8 weight rows a step of two blocks: a row's two blocks in each of 8 registers,
+ * a cache line of 8-bit blocks (w + 128, so that dpbusd takes them unsigned; 128 x the block's sum of x taken off
+ * after), each block's 8 partial sums folded together. */
 static void q8_exact(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const int bits,
                      const sc_t *ws, const float *bias, const uint16_t *res, void *out, int out_bf16, int64_t ldo,
                      int64_t N) {
@@ -3023,38 +3023,44 @@ static void q8_exact(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     }
 #pragma omp parallel
     {
-        float *wsf = (float *)aligned_alloc(64, (size_t)(nb * 16) * sizeof(float)); /* [nb][16] */
+        const int64_t steps = (nb + 1) / 2;                                                /* two blocks a step */
+        float *wsf = (float *)aligned_alloc(64, (size_t)(steps * 16) * sizeof(float)); /* [nb][8] */
         float *row = (float *)malloc((size_t)nb * sizeof(float));
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < whole / 16; g++) {
-            const int64_t n0 = 16 * g;
-            for (int r = 0; r < 16; r++) {
+        for (int64_t g = 0; g < whole / 8; g++) {
+            const int64_t n0 = 8 * g;
+            for (int r = 0; r < 8; r++) {
                 row_scales(ws, n0 + r, nb, row);
-                for (int64_t b = 0; b < nb; b++) wsf[b * 16 + r] = row[b];
+                for (int64_t b = 0; b < nb; b++) wsf[b * 8 + r] = row[b];
             }
-            const char *next = (const char *)(w + (n0 + 16) * row_bytes); /* the next group's 16 rows */
-            const int64_t lines = n0 + 16 < whole ? 16 * row_bytes / 64 : 0;
+            const char *next = (const char *)(w + (n0 + 8) * row_bytes); /* the next group's 8 rows */
+            const int64_t lines = n0 + 8 < whole ? 8 * row_bytes / 64 : 0;
             for (int64_t m0 = 0; m0 < M; m0 += 2) { /* two input rows a pass: each block's weights widened once */
                 const int two = m0 + 1 < M;
-                __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-                for (int64_t b = 0; b < nb; b++) {
-                    if (m0 == 0) prefetch_part(next, lines, nb, b);
-                    __m512i wu[8]; /* rows j (low half) and j + 8 (high half), as unsigned: w + 128 */
+                __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int64_t b = 0; b < nb; b += 2) {
+                    const int pair = b + 1 < nb; /* blocks b and b + 1, or b alone at an odd row's end */
+                    if (m0 == 0) prefetch_part(next, lines, steps, b / 2);
+                    __m512i wu[8]; /* row j's blocks b (low half) and b + 1 (high half), as unsigned: w + 128 */
                     for (int j = 0; j < 8; j++) {
-                        const uint8_t *lo = w + (n0 + j) * row_bytes + b * BLOCK_BYTES(bits);
-                        const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(block_bytes(lo, bits, 1)),
-                                                              block_bytes(lo + 8 * row_bytes, bits, 1), 1);
+                        const uint8_t *p = w + (n0 + j) * row_bytes + b * BLOCK_BYTES(bits);
+                        const __m512i wv =
+                            bits == 8 && pair ? _mm512_loadu_si512((const void *)p)
+                                              : _mm512_inserti64x4(_mm512_castsi256_si512(block_bytes(p, bits, 1)),
+                                                                   pair ? block_bytes(p + BLOCK_BYTES(bits), bits, 1)
+                                                                        : _mm256_setzero_si256(),
+                                                                   1);
                         wu[j] = _mm512_xor_si512(wv, _mm512_set1_epi8((char)0x80));
                     }
                     for (int i = 0; i < 1 + two; i++) {
                         const int64_t m = m0 + i;
-                        const __m512i xv =
-                            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + m * K + b * QB)));
+                        const int8_t *xb = xq + m * K + b * QB;
+                        const __m512i xv = pair ? _mm512_loadu_si512((const void *)xb)
+                                                : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xb));
+                        const __m512i xz = pair ? xv : _mm512_inserti64x4(xv, _mm256_setzero_si256(), 1);
                         __m512i z[8];
-                        for (int j = 0; j < 8; j++) z[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu[j], xv);
-                        /* each 256-bit half's two 128-bit chunks added: a row's 4 partial sums in each chunk */
-                        for (int j = 0; j < 8; j++)
-                            z[j] = _mm512_add_epi32(z[j], _mm512_shuffle_i32x4(z[j], z[j], _MM_SHUFFLE(2, 3, 0, 1)));
+                        for (int j = 0; j < 8; j++) z[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu[j], xz);
+                        /* each 128-bit chunk of p[k] and q[k]: its 4 sums of rows 4 k .. 4 k + 3's chunk */
                         __m512i p[4], q[2];
                         for (int j = 0; j < 4; j++)
                             p[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2 * j], z[2 * j + 1]),
@@ -3062,18 +3068,31 @@ static void q8_exact(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                         for (int j = 0; j < 2; j++)
                             q[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(p[2 * j], p[2 * j + 1]),
                                                     _mm512_unpackhi_epi64(p[2 * j], p[2 * j + 1]));
-                        /* q[0]: rows 0-3 in chunks 0 and 1, rows 8-11 in 2 and 3; q[1]: rows 4-7, 12-15; less
-                         * 128 x the block's sum of x (the + 128 above) */
-                        const __m512i dots = _mm512_sub_epi32(_mm512_mask_blend_epi32(0xF0F0, q[0], q[1]),
-                                                              _mm512_set1_epi32(128 * xsum[m * nb + b]));
-                        const __m512 sc = _mm512_mul_ps(_mm512_load_ps(wsf + b * 16), _mm512_set1_ps(xs[m * nb + b]));
-                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), sc, acc[i]);
+                        /* chunks 0 and 1 hold block b, 2 and 3 block b + 1: rows 0-3 and 4-7 of each block,
+                         * then in the order rows 0-7 of block b, rows 0-7 of block b + 1 */
+                        const __m512i sum =
+                            _mm512_add_epi32(_mm512_shuffle_i32x4(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                             _mm512_shuffle_i32x4(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
+                        const __m512i two_blocks = _mm512_shuffle_i32x4(sum, sum, _MM_SHUFFLE(3, 1, 2, 0));
+                        /* less 128 x each block's sum of x (the + 128 above) */
+                        const __m512i off = _mm512_inserti64x4(
+                            _mm512_castsi256_si512(_mm256_set1_epi32(128 * xsum[m * nb + b])),
+                            _mm256_set1_epi32(pair ? 128 * xsum[m * nb + b + 1] : 0), 1);
+                        const __m512 dots = _mm512_cvtepi32_ps(_mm512_sub_epi32(two_blocks, off));
+                        acc[i] = _mm256_fmadd_ps(
+                            _mm512_castps512_ps256(dots),
+                            _mm256_mul_ps(_mm256_load_ps(wsf + b * 8), _mm256_set1_ps(xs[m * nb + b])), acc[i]);
+                        if (pair)
+                            acc[i] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(dots, 1),
+                                                     _mm256_mul_ps(_mm256_load_ps(wsf + (b + 1) * 8),
+                                                                   _mm256_set1_ps(xs[m * nb + b + 1])),
+                                                     acc[i]);
                     }
                 }
                 for (int i = 0; i < 1 + two; i++) {
-                    float v[16];
-                    _mm512_storeu_ps(v, acc[i]);
-                    for (int r = 0; r < 16; r++) put(v[r], m0 + i, n0 + r, bias, res, out, out_bf16, ldo);
+                    float v[8];
+                    _mm256_storeu_ps(v, acc[i]);
+                    for (int r = 0; r < 8; r++) put(v[r], m0 + i, n0 + r, bias, res, out, out_bf16, ldo);
                 }
             }
         }
