@@ -3082,11 +3082,12 @@ static void q8_exact(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                         acc[i] = _mm256_fmadd_ps(
                             _mm512_castps512_ps256(dots),
                             _mm256_mul_ps(_mm256_load_ps(wsf + b * 8), _mm256_set1_ps(xs[m * nb + b])), acc[i]);
-                        if (pair)
-                            acc[i] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(dots, 1),
-                                                     _mm256_mul_ps(_mm256_load_ps(wsf + (b + 1) * 8),
-                                                                   _mm256_set1_ps(xs[m * nb + b + 1])),
-                                                     acc[i]);
+                        if (pair) { /* block b + 1 after block b, as the tiles add them */
+                            const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dots), 1));
+                            const __m256 sc =
+                                _mm256_mul_ps(_mm256_load_ps(wsf + (b + 1) * 8), _mm256_set1_ps(xs[m * nb + b + 1]));
+                            acc[i] = _mm256_fmadd_ps(hi, sc, acc[i]);
+                        }
                     }
                 }
                 for (int i = 0; i < 1 + two; i++) {
