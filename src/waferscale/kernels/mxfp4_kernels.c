@@ -228,6 +228,7 @@ MX_INLINE void mx_dot_rows_512(const mx512_t *p, const int8_t *xq, const float *
     const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int64_t g = 0; g < groups; g++) {
         _mm_prefetch((const char *)(q + 64 * g + 2048), _MM_HINT_T0);
+        _mm_prefetch((const char *)(q + 64 * g + 8192), _MM_HINT_T1); // and into L2: more lines in flight
         const __m512i bytes = _mm512_loadu_si512((const void *)(q + 64 * g));
         const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(bytes, low));
         const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low));
