@@ -735,9 +735,15 @@ static inline __attribute__((always_inline)) const float *chunk_scales(const sc_
  * (x: row stride K; xg: their group sums, row stride ng). Four blocks (a cache line of nibbles) a step, each asking
  * for the line PF_AHEAD bytes on: the next rows follow on, so a task's rows are one stream. */
 #define PF_AHEAD 1024
-/* and the K-quants' row kernels ask for the line PF_FAR bytes on into L2 as well: more lines in flight than the L1's
- * fill buffers allow, so a row or two of a small projection (an expert's) streams nearer the memory's speed */
+/* the row kernels of the K-quants and 8-bit blocks ask for the line PF_FAR bytes on into L2 as well: more lines in
+ * flight than the L1's fill buffers allow, so a row or two of a small projection (an expert's) streams nearer the
+ * memory's speed */
 #define PF_FAR 4096
+/* the line PF_AHEAD bytes past p into L1 and the one PF_FAR past it into L2 */
+static inline __attribute__((always_inline)) void prefetch_near_far(const uint8_t *p) {
+    _mm_prefetch((const char *)(p + PF_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(p + PF_FAR), _MM_HINT_T1);
+}
 static inline __attribute__((always_inline)) void row_scaled(const uint8_t *w, const sc_t *ws, const sc_t *wm,
                                                              int64_t ng, int gshift, const float *x, const float *xg,
                                                              int64_t K, float sums[4], const int mt, const int bits,
@@ -1050,10 +1056,7 @@ static inline __attribute__((always_inline)) void row_k(const uint8_t *w, const 
     const int per = g16 ? 16 : 8; /* groups a super-block */
     for (int64_t sb = 0; sb < K / KS; sb++) {
         const int64_t k0 = sb * KS;
-        for (int o = 0; o < KS * bits / 8; o += 64) {
-            _mm_prefetch((const char *)(w + (k0 * bits) / 8 + o + PF_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + (k0 * bits) / 8 + o + PF_FAR), _MM_HINT_T1);
-        }
+        for (int o = 0; o < KS * bits / 8; o += 64) prefetch_near_far(w + (k0 * bits) / 8 + o);
         __m256i isum[4];
         for (int m = 0; m < mt; m++) isum[m] = _mm256_setzero_si256();
         /* the super-block's integer scales as int16, in both 128-bit lanes (16 for G = 16: two vectors); a block's
@@ -1220,10 +1223,7 @@ static inline __attribute__((always_inline)) void row_k512(const uint8_t *w, con
     for (int64_t sb = 0; sb < K / KS; sb++) {
         const int64_t k0 = sb * KS;
         const uint8_t *wb = w + (k0 * bits) / 8;
-        for (int o = 0; o < KS * bits / 8; o += 64) {
-            _mm_prefetch((const char *)(wb + o + PF_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wb + o + PF_FAR), _MM_HINT_T1);
-        }
+        for (int o = 0; o < KS * bits / 8; o += 64) prefetch_near_far(wb + o);
         __m512i isum[4];
         for (int m = 0; m < mt; m++) isum[m] = _mm512_setzero_si512();
         const uint8_t *scb = ws->b + sb * per;
@@ -1440,10 +1440,7 @@ static inline __attribute__((always_inline)) void rows_q8x(const uint8_t *const 
         for (int r = 0; r < R; r++) nblk = block_scales(&sr[r], xs, nb, c, mt, 1, cs[r]);
         for (int64_t j = 0; j < nblk; j++) {
             const int64_t kb = (c + j) * QB, at = (c + j) * BLOCK_BYTES(bits);
-            if (R == 1 && j % 2 == 0) {
-                _mm_prefetch((const char *)(wr[0] + at + PF_AHEAD), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wr[0] + at + PF_FAR), _MM_HINT_T1);
-            }
+            if (R == 1 && j % 2 == 0) prefetch_near_far(wr[0] + at);
             if (R > 1) /* a block's bytes of R rows ahead */
                 prefetch_rows(next, 0, 0, 1, (c + j) * R * BLOCK_BYTES(bits), (c + j + 1) * R * BLOCK_BYTES(bits));
             for (int r = 0; r < R; r++) {
@@ -3066,9 +3063,8 @@ static void q8_exact(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                     for (int i = 0; i < 1 + two; i++) {
                         const int64_t m = m0 + i;
                         const int8_t *xb = xq + m * K + b * QB;
-                        const __m512i xv = pair ? _mm512_loadu_si512((const void *)xb)
-                                                : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xb));
-                        const __m512i xz = pair ? xv : _mm512_inserti64x4(xv, _mm256_setzero_si256(), 1);
+                        const __m512i xz = pair ? _mm512_loadu_si512((const void *)xb)
+                                                : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)xb));
                         __m512i z[8];
                         for (int j = 0; j < 8; j++) z[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu[j], xz);
                         /* each 128-bit chunk of p[k] and q[k]: its 4 sums of rows 4 k .. 4 k + 3's chunk */
