@@ -143,6 +143,37 @@ def test_a_sequence_the_draft_pool_cannot_hold_decodes_without_drafts_and_blocks
     )  # freed as the sequences finished
 
 
+def test_a_few_tokens_after_a_computed_prefix_run_as_decode_rows_with_the_prefill_paths_numbers():
+    """The draft catches up the tokens the target accepted as decode rows (ModelRunner rows_upto): its next token
+    and logits are those of the same tokens run as a prefill chunk."""
+    import torch
+
+    from waferscale.engine import LLMEngine
+    from waferscale.engine.model_runner import ModelRunner
+    from waferscale.engine.params import SamplingParams
+    from waferscale.engine.scheduler import ScheduledBatch
+    from waferscale.engine.sequence import Sequence
+    from waferscale.models import load_model
+
+    loaded = load_model(None, dtype="float32", progress=False)
+    engine = LLMEngine(loaded, kv_cache_bytes=32 << 20)
+    chunked = engine.runner
+    as_rows = ModelRunner(loaded.model, engine.pool, chunked.native, engine.blocks, rows_upto=4)
+    seq = Sequence("s", loaded.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=4), detokenizer=None)
+    seq.block_tables = [[engine.blocks.allocate(k) for _ in range(4)] for k in range(len(engine.blocks.kinds))]
+    seq.dropped = [0] * len(seq.block_tables)
+    head = len(seq.token_ids) - 3
+    with torch.inference_mode():
+        chunked.forward(ScheduledBatch(prefills=[(seq, head)]))
+        seq.num_computed = head
+        by_rows = as_rows.forward(ScheduledBatch(prefills=[(seq, 3)]))
+        by_chunk = chunked.forward(ScheduledBatch(prefills=[(seq, 3)]))
+        assert by_rows.sample_rows == by_chunk.sample_rows == [(seq, 2)]  # the chunk's last row
+        rows = loaded.model.logits(by_rows.hidden[[2]])
+        chunk = loaded.model.logits(by_chunk.hidden[[2]])
+    assert torch.argmax(rows) == torch.argmax(chunk) and (rows - chunk).abs().max() < 1e-3
+
+
 def test_a_draft_with_another_tokenizer_is_refused_at_start(tmp_path: Path):
     folder = _tiny_model_of_seven_words(tmp_path / "seven-words")
     proc = subprocess.run(

@@ -123,7 +123,7 @@ class DraftModel:
         self.pool = KVPool.for_model(cfg, kv_dtype, compute_dtype, block_size, kv_cache_bytes)
         num_pages, kinds, per_page = self.pool.num_blocks, self.pool.layout.block_kinds, self.pool.page_bytes
         self.blocks = BlockManager(num_pages, block_size, False, kinds)
-        self.runner = ModelRunner(self.model, self.pool, native, self.blocks)
+        self.runner = ModelRunner(self.model, self.pool, native, self.blocks, rows_upto=speculative.max_draft + 1)
         self.block_size = block_size
         self.max_batched_tokens = max_batched_tokens  # draft KV caught up a step, over all sequences
         self.tracked: dict[int, Sequence] = {}  # sequences holding draft blocks

@@ -27,8 +27,11 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, native, blocks: BlockManager):
+    def __init__(self, model, pool: KVPool, native, blocks: BlockManager, rows_upto: int = 0):
         self.model, self.pool, self.native, self.block_size = model, pool, native, blocks.block_size
+        # prefill chunks of at most this many tokens after a computed prefix run as decode rows: a few tokens cost
+        # a decode step's attention, not the prefill path's (the draft model's catching up, a step at a time)
+        self.rows_upto = rows_upto
         self.kinds = blocks.kinds
         self.groups = pool.layout.groups
         # the pages of each block (BlockManager.page_map, shared memory: kept current by the block manager); a
@@ -49,21 +52,27 @@ class ModelRunner:
         token, then each draft), each attending up to its own position: the same kernels and the same numbers as
         decoding those tokens one step at a time, so a prediction never changes the answer."""
         verifies = [(seq, chunk) for seq, chunk in batch.prefills if seq.drafts]
-        prefills = [(seq, chunk) for seq, chunk in batch.prefills if not seq.drafts]
+        short = [(seq, chunk) for seq, chunk in batch.prefills if not seq.drafts and self._as_rows(seq, chunk)]
+        prefills = [(seq, chunk) for seq, chunk in batch.prefills if not seq.drafts and not self._as_rows(seq, chunk)]
         rows: list[tuple[Sequence, int, int]] = []  # decode rows: sequence, position, token
         for seq in batch.decodes:
             p = len(seq.token_ids) - 1
             rows.append((seq, p, seq.token_ids[p]))
+        sample_rows: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(batch.decodes)]
         draft_rows: list[tuple[Sequence, int, int]] = []
         for seq, chunk in verifies:
             start = seq.num_computed
             draft_rows.append((seq, len(rows), chunk))
             tokens = seq.token_ids[start:] + seq.drafts
             rows.extend((seq, start + j, t) for j, t in enumerate(tokens[:chunk]))
+        for seq, chunk in short:
+            start = seq.num_computed
+            rows.extend((seq, p, seq.token_ids[p]) for p in range(start, start + chunk))
+            if start + chunk == len(seq.token_ids):
+                sample_rows.append((seq, len(rows) - 1))
         ids = [t for _, _, t in rows]
         positions = [p for _, p, _ in rows]
         row = len(rows)
-        sample_rows: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(batch.decodes)]
         score_rows: list[tuple[Sequence, int, int, int]] = []
         chunks: list[tuple[Sequence, int, int, int]] = []  # prefill: sequence, first row, start, end
         for seq, chunk in prefills:
@@ -84,6 +93,10 @@ class ModelRunner:
         )
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), paged)
         return ForwardOutput(hidden, sample_rows, score_rows, draft_rows)
+
+    def _as_rows(self, seq: Sequence, chunk: int) -> bool:
+        """Whether a prefill chunk runs as decode rows: a few tokens after a computed prefix, no prompt logprobs."""
+        return 0 < seq.num_computed and chunk <= self.rows_upto and not seq.params.prompt_logprobs
 
     def _kind_plan(self, k: int, rows, chunks) -> tuple:
         """One kind's block ids: decode tables and lengths (from each row's first live block), the block each row
