@@ -69,3 +69,43 @@ def test_a_sequence_whose_drafts_miss_is_estimated_to_miss():
     for _ in range(20):
         adapt.update(proposed=4, accepted=4, max_k=8)
     assert adapt.acceptance() > 0.9
+
+
+def test_a_draft_forward_costing_a_whole_step_never_pays_even_if_every_draft_is_accepted():
+    costs = RowCosts({r: 0.010 + 0.0005 * (r - 1) for r in range(1, 13)})  # rows cost little
+    assert costs.shared_k([(8, 0.99)], alone(), per_forward=0.010) == 0  # the target's own weights again
+
+
+def test_a_cheap_draft_forward_pays_for_several_drafts():
+    costs = RowCosts({r: 0.010 + 0.0005 * (r - 1) for r in range(1, 13)})
+    assert costs.shared_k([(8, 0.9)], alone(), per_forward=0.002) > 2  # a draft model a fifth of the target
+
+
+def test_one_draft_forward_serves_every_sequence():
+    costs = RowCosts({r: 0.010 + 0.0005 * (r - 1) for r in range(1, 41)})
+    # a forward of 0.7 steps pays for one sequence at 90%: (1 + 0.9) x 10 ms against 10.5 + 7 ms
+    assert costs.shared_k([(8, 0.9)], alone(), per_forward=0.007) >= 1
+    # two sequences share each forward (charged to each, it would cost 11.5 + 14 ms against 19.95)
+    assert costs.shared_k([(8, 0.9), (8, 0.9)], StepLoad(rows=2, tokens=2), per_forward=0.007) >= 1
+
+
+def test_a_sequence_whose_drafts_do_not_pay_tries_one_after_2_4_8_16_32_steps():
+    adapt = AdaptiveK()
+    tries = [step for step in range(1, 100) if adapt.probe(0, could_pay=True)]
+    assert tries == [2, 6, 14, 30, 62, 94]
+
+
+def test_no_draft_is_tried_where_none_could_pay_at_the_priors_acceptance():
+    adapt = AdaptiveK()
+    assert not any(adapt.probe(0, could_pay=False) for _ in range(100))
+
+
+def test_drafts_that_pay_pass_and_make_the_next_try_soon_again():
+    adapt = AdaptiveK()
+    for _ in range(6):
+        adapt.probe(0, could_pay=True)  # tried at step 2 and 6: the next try 8 steps on
+    assert adapt.probe(3, could_pay=True) == 3
+    assert [adapt.probe(0, could_pay=True) for _ in range(2)] == [0, 1]  # the wait is 2 steps again
+    assert [adapt.probe(0, could_pay=True) for _ in range(2)] == [0, 0]  # then 4
+    adapt.update(proposed=1, accepted=1, max_k=8)  # a try fully accepted: soon again
+    assert [adapt.probe(0, could_pay=True) for _ in range(2)] == [0, 1]

@@ -6,8 +6,9 @@ The draft runs in the engine's thread with a KV pool and blocks of its own. Each
 schedule: every sequence the draft proposes for first catches its draft KV up with the tokens the target accepted
 (the positions of rejected drafts are simply written again), in one forward for the whole batch, then the draft
 decodes its k tokens with one forward a position for all of them. The number of drafts adapts per sequence
-(speculation.AdaptiveK), as for n-gram; a step with more sequences decoding than SpeculativeConfig.max_seqs does
-not speculate.
+(speculation.AdaptiveK), as for n-gram, and goes no further than pays for the target's rows (its table of a step's
+time by rows) and for the draft forwards (a one-row draft forward, timed at start): a draft as costly as its target
+makes none. A step with more sequences decoding than SpeculativeConfig.max_seqs does not speculate.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from waferscale.engine.model_runner import ModelRunner
 from waferscale.engine.params import SamplingParams
 from waferscale.engine.scheduler import ScheduledBatch
 from waferscale.engine.sequence import Sequence
-from waferscale.engine.speculation import AdaptiveK, SpeculativeConfig
+from waferscale.engine.speculation import AdaptiveK, RowCosts, SpeculativeConfig, StepLoad
 from waferscale.models.loader import LoadedModel
 from waferscale.models.source import ModelLoadError
 
@@ -33,6 +34,10 @@ SELF_PREFIX = "self:"  # --draft-model self:int4: the target's own weights, quan
 SELF_QUANTIZATIONS = ("int4", "int8")
 DRAFT_KV_FRACTION = 4  # the draft's KV pool is a quarter of the target's unless set
 _NO_SCORES = SamplingParams(max_tokens=1)  # what the runner reads of a draft row's params: no prompt logprobs
+# a draft model is chosen to agree with its target: a sequence's estimate of its acceptance starts at 4 in 5 (drafts
+# cost draft forwards, so at n-gram's 1 in 2 a costly draft would never be tried), then follows its verifications
+PRIOR_ACCEPTED, PRIOR_REJECTED = 4.0, 1.0
+PRIOR = PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED)
 
 
 @dataclass(eq=False)
@@ -52,7 +57,7 @@ class DraftSeq:
     proposal: list[int] = field(default_factory=list)
     base: int = 0  # the target's token count when the proposal was made
     taken: int = 0  # proposal tokens the target's scheduler took for verification
-    adapt: AdaptiveK = field(default_factory=AdaptiveK)
+    adapt: AdaptiveK = field(default_factory=lambda: AdaptiveK(accepted=PRIOR_ACCEPTED, rejected=PRIOR_REJECTED))
 
     def take(self, k: int) -> list[int]:
         """The proposal's first k tokens, for the target to verify in this step."""
@@ -128,6 +133,7 @@ class DraftModel:
         self.max_batched_tokens = max_batched_tokens  # draft KV caught up a step, over all sequences
         self.tracked: dict[int, Sequence] = {}  # sequences holding draft blocks
         self.forwards = 0
+        self.token_seconds = 0.0  # a one-row draft forward's time (set at start): what each draft costs to make
         log.info(
             "draft model %s (%s, weights: %s): KV cache %d MiB, %d tokens",
             loaded.name,
@@ -138,9 +144,10 @@ class DraftModel:
         )
 
     # ------------------------------------------------------------------ one step
-    def prepare(self, running: list[Sequence], max_model_len: int) -> None:
+    def prepare(self, running: list[Sequence], max_model_len: int, costs: RowCosts | None = None) -> None:
         """Propose the next tokens of every decoding sequence that speculates this step (left in seq.draft.proposal
-        for drafts.draft_tokens)."""
+        for drafts.draft_tokens), each no more than pay for their rows in the target's step (costs) and for the
+        draft forwards that make them."""
         self.retire(running)
         decoding = [s for s in running if not s.finished and s.remaining == 1 and s.num_generated]
         for seq in decoding:
@@ -168,8 +175,23 @@ class DraftModel:
             )
             if k > 0:
                 wanted.append((seq, k))
+        if wanted and costs is not None:
+            wanted = self._paying(wanted, costs, StepLoad(len(decoding), len(decoding)))
         if wanted:
             self._propose(wanted, decoding)
+
+    def _paying(
+        self, wanted: list[tuple[Sequence, int]], costs: RowCosts, step: StepLoad
+    ) -> list[tuple[Sequence, int]]:
+        """The drafts that pay for their rows in the target's step and for the draft forwards that make them (one
+        forward a draft position for every sequence): as many forwards as give the step the most tokens a second.
+        Where none pays but some would at the prior's acceptance, a sequence still tries one now and then
+        (AdaptiveK.probe)."""
+        each = [(k, seq.draft.adapt.acceptance()) for seq, k in wanted]
+        forwards = costs.shared_k(each, step, self.token_seconds)
+        could = forwards > 0 or costs.shared_k([(k, PRIOR) for k, _ in each], step, self.token_seconds) > 0
+        paying = [(seq, seq.draft.adapt.probe(min(k, forwards), could)) for seq, k in wanted]
+        return [(seq, k) for seq, k in paying if k > 0]
 
     def retire(self, running: list[Sequence]) -> None:
         """Free the draft blocks of sequences that finished or left the running batch (preempted, aborted)."""

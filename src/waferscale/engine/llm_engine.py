@@ -103,6 +103,14 @@ class LLMEngine:
                 ),
             )
             log.info("a decoding step's time by rows, against one row's: %s", self.scheduler.row_costs.describe())
+        if self.drafter is not None:  # and a draft model's drafts, at what making them costs too
+            d, token = self.drafter, self.eos_ids[0] if self.eos_ids else 0
+            d_key = ("draft", draft.fingerprint, draft.dtype, draft.quantization, block_size, torch.get_num_threads())
+            d.token_seconds = measured_once(
+                d_key, lambda: measure_row_costs(d.runner, d.blocks, d.runner.logits, [1], token)
+            ).at(1)
+            one = self.scheduler.row_costs.at(1)
+            log.info("a draft token costs %.2fx a one-row step of the target", d.token_seconds / one)
         self.faults = FaultHooks()
         self.threads = ThreadGovernor(
             torch.get_num_threads(), torch.set_num_threads, applied=torch.get_num_threads
@@ -299,7 +307,7 @@ class LLMEngine:
         """The draft model's proposals for this step; should it fail, the step goes on without drafts (the draft
         starts again from nothing) rather than failing its sequences."""
         try:
-            self.drafter.prepare(self.scheduler.running, self.max_model_len)
+            self.drafter.prepare(self.scheduler.running, self.max_model_len, self.scheduler.row_costs)
         except Exception:
             log.exception("the draft model failed: this step decodes without drafts")
             self.drafter.retire([])

@@ -22,7 +22,7 @@ from waferscale.engine.scheduler import ScheduledBatch
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import RowCosts
 
-CONTEXT = 64  # tokens the measured sequence has seen: a short chat's
+CONTEXT = 64  # tokens the measured sequence has seen: a short chat's (fewer where the pool holds fewer)
 REPEATS = 3  # forwards a size; the fastest counts (the first also warms the size's buffers and kernels up)
 _measured: dict[Hashable, RowCosts] = {}
 
@@ -39,15 +39,17 @@ def measure_row_costs(runner, blocks: BlockManager, logits, sizes: list[int], to
     logits, as verification takes them), in KV blocks taken from the pool and given back."""
     most_rows = max(sizes)
     bs = blocks.block_size
-    per_kind = -(-(CONTEXT + most_rows) // bs)
+    room = blocks.num_available // sum(kind.pages for kind in blocks.kinds) * bs  # tokens a small pool holds
+    context = max(1, min(CONTEXT, room - most_rows))
+    per_kind = -(-(context + most_rows) // bs)
     tables = [[blocks.allocate(k) for _ in range(per_kind)] for k in range(len(blocks.kinds))]
-    seq = Sequence("row-costs", [token] * CONTEXT, SamplingParams(max_tokens=most_rows), detokenizer=None)
+    seq = Sequence("row-costs", [token] * context, SamplingParams(max_tokens=most_rows), detokenizer=None)
     seq.block_tables, seq.dropped = tables, [0] * len(tables)
     seconds: dict[int, float] = {}
     try:
         with torch.inference_mode(), kernels.rows_exact():  # as verification steps run
             for rows in sizes:
-                seq.num_computed = CONTEXT - 1
+                seq.num_computed = context - 1
                 seq.drafts = [token] * (rows - 1)
                 batch = ScheduledBatch(decodes=[seq]) if rows == 1 else ScheduledBatch(prefills=[(seq, rows)])
                 best = float("inf")

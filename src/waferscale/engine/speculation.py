@@ -62,6 +62,20 @@ class RowCosts:
                 best, best_rate = k, rate
         return best
 
+    def shared_k(self, wants: list[tuple[int, float]], step: StepLoad, per_forward: float) -> int:
+        """The draft forwards (each making one more draft for every sequence that wants it; per_forward seconds each)
+        that give the step the most tokens a second: wants holds each sequence's most drafts and acceptance, and a
+        sequence gets the lesser of its most and the forwards."""
+        base = self.at(step.rows)
+        best, best_rate = 0, step.tokens
+        for n in range(1, max((m for m, _ in wants), default=0) + 1):
+            rows = step.rows + sum(min(n, m) for m, _ in wants)
+            tokens = step.tokens + sum(a**j for m, a in wants for j in range(1, min(n, m) + 1))
+            rate = tokens * base / (self.at(rows) + n * per_forward)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
     def describe(self) -> str:
         """The step's cost by rows against one row's, for the start-up log."""
         one = self.seconds[1]
@@ -78,10 +92,28 @@ class AdaptiveK:
     # drafts accepted, and verifications cut short by a rejection, both decaying (1 and 1: a prior of one in two)
     accepted: float = 1.0
     rejected: float = 1.0
+    idle: int = 0  # steps in a row whose costs gave no drafts
+    wait: int = 2  # such steps before one draft is tried
 
     def acceptance(self) -> float:
         """The chance that a draft is accepted given the one before it was (its estimate from this sequence)."""
         return self.accepted / (self.accepted + self.rejected)
+
+    def probe(self, paying: int, could_pay: bool) -> int:
+        """The drafts to make given the count that pays at this sequence's estimate (`paying`): that count, or, where
+        none has paid for a while but some would at the prior's acceptance (`could_pay`), one draft after 2, 4, ...
+        32 such steps, so that an estimate lowered by a few misses can rise again (at most one draft in 32 steps
+        where drafts keep missing; none where they could not pay even if accepted as the prior expects)."""
+        if paying:
+            self.idle, self.wait = 0, 2
+            return paying
+        if not could_pay:
+            return 0
+        self.idle += 1
+        if self.idle < self.wait:
+            return 0
+        self.idle, self.wait = 0, min(32, self.wait * 2)
+        return 1
 
     def paused(self) -> bool:
         """Whether this step goes without drafts (counting the pause down)."""
@@ -91,14 +123,14 @@ class AdaptiveK:
         return False
 
     def update(self, proposed: int, accepted: int, max_k: int) -> None:
-        """Adapt the draft count to a verification's outcome: more after all were accepted, fewer after a miss,
-        a pause of 2, 4, ... 32 steps after misses in a row."""
+        """Adapt the draft count to a verification's outcome: more after all were accepted (and the next probe
+        soon), fewer after a miss, a pause of 2, 4, ... 32 steps after misses in a row."""
         if proposed == 0:
             return
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (accepted < proposed)
         if accepted == proposed:
-            self.k, self.misses = min(max_k, self.k * 2), 0
+            self.k, self.misses, self.idle, self.wait = min(max_k, self.k * 2), 0, 0, 2
         elif accepted:
             self.k, self.misses = max(1, accepted + 1), 0
         else:
