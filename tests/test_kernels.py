@@ -105,6 +105,25 @@ def test_a_long_sequences_attention_does_not_depend_on_the_batch():
 
 
 @needs_native
+@pytest.mark.parametrize("first", [1020, 2050])
+def test_the_rows_of_one_sequence_each_get_their_attention_alone_bit_for_bit(first):
+    """A step verifying 8 drafts runs 9 rows over one sequence's blocks, lengths one apart (here across a chunk
+    boundary of 512 positions, or within one): its chunks are worked row after row on one thread, and each row's
+    numbers are those of the row alone, on bf16 and int8 caches."""
+    torch.manual_seed(5)
+    tables, k_cache, v_cache = _long_pool([first + 8])
+    k8, ks = kv_int8.quantize(k_cache)
+    v8, vs = kv_int8.quantize(v_cache)
+    lengths = torch.arange(first, first + 9)
+    q = torch.randn(9, 9, 64)
+    for k, v, scales in ((k_cache.bfloat16(), v_cache.bfloat16(), {}), (k8, v8, {"k_scale": ks, "v_scale": vs})):
+        rows = native.paged_decode_attention(q, k, v, tables.expand(9, -1).contiguous(), lengths, 0.125, 16, **scales)
+        for r in range(9):
+            alone = native.paged_decode_attention(q[r : r + 1], k, v, tables, lengths[r : r + 1], 0.125, 16, **scales)
+            assert torch.equal(rows[r], alone[0])
+
+
+@needs_native
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 50, 130])
 @pytest.mark.parametrize("k,n,bias", [(576, 960, False), (1536, 577, True), (20, 7, True)])
 def test_linear_bf16_matches_float32_linear(rows, k, n, bias):

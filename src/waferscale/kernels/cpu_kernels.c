@@ -564,12 +564,34 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
         pl = (float *)malloc((size_t)(T * H) * sizeof(float));
         pacc = (float *)malloc((size_t)(T * H * D) * sizeof(float));
     }
-    /* Fewer than two tasks a thread (one stream of up to 2 x threads chunks): each task's kv heads become tasks of
+    /* Work items: a task each, except for the rows of one sequence (a step verifying drafts, a draft catching up:
+     * the same table and starts, lengths one apart) longer than a chunk, whose tasks of one chunk form one item run
+     * on one thread, row after row, so that the chunk's keys and values are read from memory once, then from the
+     * core's caches. Each task computes what it computes alone. */
+    int64_t *item_first = (int64_t *)malloc((size_t)(T + 1) * sizeof(int64_t)); /* into items' task list */
+    int64_t *item_tasks = (int64_t *)malloc((size_t)T * sizeof(int64_t));
+    int64_t NI = 0, filled = 0;
+    for (int64_t b0 = 0; b0 < B;) {
+        int64_t b1 = b0 + 1;
+        if (first_task[b0 + 1] - first_task[b0] > 1)
+            while (b1 < B && lengths[b1] == lengths[b1 - 1] + 1 && (!starts || starts[b1] == starts[b0]) &&
+                   memcmp(tables + b1 * W, tables + b0 * W, (size_t)W * sizeof(int64_t)) == 0)
+                b1++;
+        const int64_t most = first_task[b1] - first_task[b1 - 1]; /* the group's last row has the most chunks */
+        for (int64_t c = 0; c < most; c++) {
+            item_first[NI++] = filled;
+            for (int64_t b = b0; b < b1; b++)
+                if (c < first_task[b + 1] - first_task[b]) item_tasks[filled++] = first_task[b] + c;
+        }
+        b0 = b1;
+    }
+    item_first[NI] = filled;
+    /* Fewer than two items a thread (one stream of up to 2 x threads chunks): each item's kv heads become items of
      * their own (on the grouped kernels), so that the threads share the work evenly (3 kv heads or 3 chunks on 2
-     * threads left one idle a third of the time). Not with more tasks: threads then shared chunks, and one chunk's
+     * threads left one idle a third of the time). Not with more items: threads then shared chunks, and one chunk's
      * heads read by two cores measured slower. A head's numbers are the same whichever task computes them. */
     const int grouped = D % 16 == 0 && H / KVH <= ATT_MAX_GROUP;
-    const int64_t S = grouped && T < 2 * (int64_t)omp_get_max_threads() ? KVH : 1, G = H / KVH;
+    const int64_t S = grouped && NI < 2 * (int64_t)omp_get_max_threads() ? KVH : 1, G = H / KVH;
 #pragma omp parallel
     {
         int64_t cap = 0;
@@ -577,55 +599,57 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
         float *row = (float *)malloc((size_t)row_len * sizeof(float));
         float *acc = (float *)malloc((size_t)(H * D) * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t st = 0; st < T * S; st++) {
-            const int64_t task = st / S, g0 = S == 1 ? 0 : st % S, g1 = S == 1 ? KVH : g0 + 1;
-            const int64_t h0 = g0 * G, h1 = g1 * G;
-            const int64_t b = task_seq[task], chunks = first_task[b + 1] - first_task[b];
-            const int64_t c = task - first_task[b], seq_first = starts ? starts[b] : 0;
-            const int64_t first = seq_first + c * ATT_CHUNK;
-            const int64_t len = chunks == 1 ? lengths[b] - seq_first
-                                             : (lengths[b] - first < ATT_CHUNK ? lengths[b] - first : ATT_CHUNK);
-            if (len > cap) {
-                free(scores);
-                cap = len;
-                scores = (float *)malloc((size_t)(H * cap) * sizeof(float));
-            }
-            const float *qb = q + b * H * D;
-            const int64_t *table = tables + b * W;
-            if (grouped)
-                att_scores_grouped(qb, k_cache, fmt, k_scale, table, first, len, H, KVH, g0, g1, D, block_size, scale,
-                                   scores);
-            else
-                att_scores(qb, k_cache, fmt, k_scale, table, first, len, H, KVH, D, block_size, scale, row, scores);
-            for (int64_t h = h0; h < h1; h++) {
-                float *sh = scores + h * len;
-                float m = chunks == 1 && sinks ? sinks[h] : -FLT_MAX;
-                for (int64_t t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;
-                float sum = 0.f;
+        for (int64_t si = 0; si < NI * S; si++) {
+            for (int64_t it = item_first[si / S]; it < item_first[si / S + 1]; it++) {
+                const int64_t task = item_tasks[it], g0 = S == 1 ? 0 : si % S, g1 = S == 1 ? KVH : g0 + 1;
+                const int64_t h0 = g0 * G, h1 = g1 * G;
+                const int64_t b = task_seq[task], chunks = first_task[b + 1] - first_task[b];
+                const int64_t c = task - first_task[b], seq_first = starts ? starts[b] : 0;
+                const int64_t first = seq_first + c * ATT_CHUNK;
+                const int64_t len = chunks == 1 ? lengths[b] - seq_first
+                                                 : (lengths[b] - first < ATT_CHUNK ? lengths[b] - first : ATT_CHUNK);
+                if (len > cap) {
+                    free(scores);
+                    cap = len;
+                    scores = (float *)malloc((size_t)(H * cap) * sizeof(float));
+                }
+                const float *qb = q + b * H * D;
+                const int64_t *table = tables + b * W;
+                if (grouped)
+                    att_scores_grouped(qb, k_cache, fmt, k_scale, table, first, len, H, KVH, g0, g1, D, block_size, scale,
+                                       scores);
+                else
+                    att_scores(qb, k_cache, fmt, k_scale, table, first, len, H, KVH, D, block_size, scale, row, scores);
+                for (int64_t h = h0; h < h1; h++) {
+                    float *sh = scores + h * len;
+                    float m = chunks == 1 && sinks ? sinks[h] : -FLT_MAX;
+                    for (int64_t t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;
+                    float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < len; t++) {
-                    sh[t] = expf(sh[t] - m);
-                    sum += sh[t];
-                }
-                if (chunks > 1) { /* kept unnormalised: the merge rescales each chunk by its max */
-                    pm[task * H + h] = m;
-                    pl[task * H + h] = sum;
-                    continue;
-                }
-                if (sinks) sum += expf(sinks[h] - m);
-                const float inv = 1.f / sum;
+                    for (int64_t t = 0; t < len; t++) {
+                        sh[t] = expf(sh[t] - m);
+                        sum += sh[t];
+                    }
+                    if (chunks > 1) { /* kept unnormalised: the merge rescales each chunk by its max */
+                        pm[task * H + h] = m;
+                        pl[task * H + h] = sum;
+                        continue;
+                    }
+                    if (sinks) sum += expf(sinks[h] - m);
+                    const float inv = 1.f / sum;
 #pragma omp simd
-                for (int64_t t = 0; t < len; t++) sh[t] *= inv;
+                    for (int64_t t = 0; t < len; t++) sh[t] *= inv;
+                }
+                if (grouped) {
+                    att_values_grouped(scores, v_cache, fmt, v_scale, table, first, len, H, KVH, g0, g1, D, block_size,
+                                       acc);
+                } else {
+                    memset(acc, 0, (size_t)(H * D) * sizeof(float));
+                    att_values(scores, v_cache, fmt, v_scale, table, first, len, H, KVH, D, block_size, row, acc);
+                }
+                memcpy((chunks == 1 ? out + b * H * D : pacc + task * H * D) + h0 * D, acc + h0 * D,
+                       (size_t)((h1 - h0) * D) * sizeof(float));
             }
-            if (grouped) {
-                att_values_grouped(scores, v_cache, fmt, v_scale, table, first, len, H, KVH, g0, g1, D, block_size,
-                                   acc);
-            } else {
-                memset(acc, 0, (size_t)(H * D) * sizeof(float));
-                att_values(scores, v_cache, fmt, v_scale, table, first, len, H, KVH, D, block_size, row, acc);
-            }
-            memcpy((chunks == 1 ? out + b * H * D : pacc + task * H * D) + h0 * D, acc + h0 * D,
-                   (size_t)((h1 - h0) * D) * sizeof(float));
         }
         free(scores);
         free(row);
@@ -660,6 +684,8 @@ void paged_decode_attention_ex(const float *q, const void *k_cache, const void *
     free(pacc);
     free(first_task);
     free(task_seq);
+    free(item_first);
+    free(item_tasks);
 }
 
 void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int fmt,
