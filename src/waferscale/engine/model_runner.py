@@ -26,11 +26,18 @@ class ForwardOutput:
     )  # seqs with drafts: first row, count
 
 
+# a chunk runs as decode rows while their attention reads this many positions at most in all: each row reads its
+# whole context, and past this the prefill path's one pass over it costs less (the built-in model: 16 rows after
+# 4,080 tokens about the same either way)
+ROWS_ATTENDED = 32 * 1024
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool, native, blocks: BlockManager, rows_upto: int = 0):
         self.model, self.pool, self.native, self.block_size = model, pool, native, blocks.block_size
-        # prefill chunks of at most this many tokens after a computed prefix run as decode rows: a few tokens cost
-        # a decode step's attention, not the prefill path's (the draft model's catching up, a step at a time)
+        # prefill chunks of at most this many tokens after a computed prefix (a cached prompt's tail, the draft
+        # model's catching up) run as decode rows: the prefill path's fixed cost is a few decode steps', while each
+        # row reads the whole context (ROWS_ATTENDED bounds what they read)
         self.rows_upto = rows_upto
         self.kinds = blocks.kinds
         self.groups = pool.layout.groups
@@ -96,7 +103,12 @@ class ModelRunner:
 
     def _as_rows(self, seq: Sequence, chunk: int) -> bool:
         """Whether a prefill chunk runs as decode rows: a few tokens after a computed prefix, no prompt logprobs."""
-        return 0 < seq.num_computed and chunk <= self.rows_upto and not seq.params.prompt_logprobs
+        return (
+            0 < seq.num_computed
+            and chunk <= self.rows_upto
+            and chunk * (seq.num_computed + chunk) <= ROWS_ATTENDED
+            and not seq.params.prompt_logprobs
+        )
 
     def _kind_plan(self, k: int, rows, chunks) -> tuple:
         """One kind's block ids: decode tables and lengths (from each row's first live block), the block each row
