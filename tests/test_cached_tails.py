@@ -3,6 +3,8 @@ runs those tokens as decode rows, not through the prefill path, and answers as t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from waferscale.engine import LLMEngine, SamplingParams
@@ -66,6 +68,5 @@ def test_the_next_turn_of_a_chat_runs_as_decode_rows_and_answers_as_the_whole_pr
 
 def test_a_tail_whose_rows_would_read_too_much_context_takes_the_prefill_path(loaded):
     engine = LLMEngine(loaded, kv_cache_bytes=32 << 20)
-    seq = type("Seq", (), {})()
-    seq.num_computed, seq.params = ROWS_ATTENDED // 8, SamplingParams(max_tokens=1)
+    seq = SimpleNamespace(num_computed=ROWS_ATTENDED // 8, params=SamplingParams(max_tokens=1))
     assert engine.runner._as_rows(seq, 4) and not engine.runner._as_rows(seq, 8)

@@ -58,9 +58,9 @@ class ModelRunner:
         A sequence verifying the drafts of its predicted output runs as decode rows too, one per position (its last
         token, then each draft), each attending up to its own position: the same kernels and the same numbers as
         decoding those tokens one step at a time, so a prediction never changes the answer."""
-        verifies = [(seq, chunk) for seq, chunk in batch.prefills if seq.drafts]
-        short = [(seq, chunk) for seq, chunk in batch.prefills if not seq.drafts and self._as_rows(seq, chunk)]
-        prefills = [(seq, chunk) for seq, chunk in batch.prefills if not seq.drafts and not self._as_rows(seq, chunk)]
+        verifies, short, prefills = [], [], []  # drafts to verify; chunks run as decode rows; prefill chunks
+        for seq, chunk in batch.prefills:
+            (verifies if seq.drafts else short if self._as_rows(seq, chunk) else prefills).append((seq, chunk))
         rows: list[tuple[Sequence, int, int]] = []  # decode rows: sequence, position, token
         for seq in batch.decodes:
             p = len(seq.token_ids) - 1
