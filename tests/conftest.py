@@ -262,6 +262,23 @@ def openai_client(server):
         yield client
 
 
+# Tests that compare the answers of two requests for the same prompt use the float32 server: the second one finds the
+# prompt in the prefix cache and computes only its tail, and in bfloat16 that rounds otherwise than computing the
+# prompt whole (docs/api.md, "Repeatable answers"), enough to flip a near tie between two tokens.
+
+
+@pytest.fixture
+def cerebras_f32(server_f32):
+    with cerebras_for(server_f32.url) as client:
+        yield client
+
+
+@pytest.fixture
+def openai_f32(server_f32):
+    with openai_for(server_f32.url) as client:
+        yield client
+
+
 def complete(http: httpx.Client, **body):
     """POST /v1/completions with the built-in model's name unless given; return the parsed JSON (asserting 200)."""
     body.setdefault("model", MODEL)

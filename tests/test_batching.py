@@ -21,16 +21,8 @@ def metrics(url: str) -> dict[str, float]:
     }
 
 
-@pytest.fixture
-def cerebras_f32(server_f32):
-    """Batch-invariant numbers need float32: bfloat16 GEMMs round differently at different batch sizes."""
-    from cerebras.cloud.sdk import Cerebras
-
-    with Cerebras(api_key="x", base_url=server_f32.url, max_retries=0) as client:
-        yield client
-
-
 def test_concurrent_requests_get_the_same_greedy_outputs_as_sequential(cerebras_f32):
+    """float32: batch-invariant numbers need it (bfloat16 GEMMs round differently at different batch sizes)."""
     cerebras = cerebras_f32
 
     def one(prompt):
@@ -59,15 +51,15 @@ def test_seeded_sampling_does_not_depend_on_the_batch(cerebras_f32):
         assert futures[-1].result() == alone
 
 
-def test_repeated_long_prompt_is_served_from_the_prefix_cache(http, server):
+def test_repeated_long_prompt_is_served_from_the_prefix_cache(http_f32, server_f32):
     long_prompt = " ".join(f"fact {i}: the sea is wide." for i in range(60))
-    first = complete(http, prompt=long_prompt, max_tokens=8, temperature=0)
-    second = complete(http, prompt=long_prompt, max_tokens=8, temperature=0)
+    first = complete(http_f32, prompt=long_prompt, max_tokens=8, temperature=0)
+    second = complete(http_f32, prompt=long_prompt, max_tokens=8, temperature=0)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= first["usage"]["prompt_tokens"] - 16 and cached % 16 == 0
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
-    assert metrics(server.url)["waferscale_prefix_cache_hits_total"] > 0
+    assert metrics(server_f32.url)["waferscale_prefix_cache_hits_total"] > 0
 
 
 def test_disconnected_streams_return_their_blocks(server):

@@ -80,10 +80,10 @@ def test_prompt_tokens_count_the_rendered_template(http, hf_tokenizer):
     assert body["usage"]["prompt_tokens"] == len(rendered(hf_tokenizer, SYSTEM))
 
 
-def test_greedy_chat_equals_a_completion_of_the_rendered_prompt(http, hf_tokenizer):
+def test_greedy_chat_equals_a_completion_of_the_rendered_prompt(http_f32, hf_tokenizer):
     text = hf_tokenizer.apply_chat_template(SYSTEM, add_generation_prompt=True, tokenize=False)
-    expected = complete(http, prompt=text, max_tokens=24, temperature=0)["choices"][0]["text"]
-    body = chat(http, messages=SYSTEM, max_completion_tokens=24, temperature=0)
+    expected = complete(http_f32, prompt=text, max_tokens=24, temperature=0)["choices"][0]["text"]
+    body = chat(http_f32, messages=SYSTEM, max_completion_tokens=24, temperature=0)
     assert body["choices"][0]["message"]["content"] == expected
 
 
@@ -92,18 +92,18 @@ def test_max_completion_tokens_wins_over_max_tokens(http):
     assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["finish_reason"] == "length"
 
 
-def test_developer_renders_as_system(http):
+def test_developer_renders_as_system(http_f32):
     as_developer = chat(
-        http, messages=[{"role": "developer", "content": "Be terse."}, *HELLO], max_tokens=8, temperature=0
+        http_f32, messages=[{"role": "developer", "content": "Be terse."}, *HELLO], max_tokens=8, temperature=0
     )
     as_system = chat(
-        http, messages=[{"role": "system", "content": "Be terse."}, *HELLO], max_tokens=8, temperature=0
+        http_f32, messages=[{"role": "system", "content": "Be terse."}, *HELLO], max_tokens=8, temperature=0
     )
     assert as_developer["usage"]["prompt_tokens"] == as_system["usage"]["prompt_tokens"]
     assert as_developer["choices"][0]["message"] == as_system["choices"][0]["message"]
 
 
-def test_text_parts_are_joined(http):
+def test_text_parts_are_joined(http_f32):
     parts = [
         {
             "role": "user",
@@ -114,8 +114,8 @@ def test_text_parts_are_joined(http):
         }
     ]
     joined = [{"role": "user", "content": "What is the capital\nof France?"}]
-    a = chat(http, messages=parts, max_tokens=6, temperature=0)
-    b = chat(http, messages=joined, max_tokens=6, temperature=0)
+    a = chat(http_f32, messages=parts, max_tokens=6, temperature=0)
+    b = chat(http_f32, messages=joined, max_tokens=6, temperature=0)
     assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
 
@@ -168,9 +168,9 @@ def test_accepted_inert_fields(http):
     assert "reasoning" not in body["choices"][0]["message"]  # this model does not reason
 
 
-def test_msgpack_and_gzip_bodies(http):
+def test_msgpack_and_gzip_bodies(http_f32):
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "temperature": 0}
-    expected = chat(http, **body)["choices"][0]["message"]["content"]
+    expected = chat(http_f32, **body)["choices"][0]["message"]["content"]
     for content, headers in (
         (msgpack.packb(body), {"content-type": "application/vnd.msgpack"}),
         (
@@ -178,7 +178,7 @@ def test_msgpack_and_gzip_bodies(http):
             {"content-type": "application/json", "content-encoding": "gzip"},
         ),
     ):
-        r = http.post("/v1/chat/completions", content=content, headers=headers)
+        r = http_f32.post("/v1/chat/completions", content=content, headers=headers)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == expected
 
@@ -224,7 +224,8 @@ def test_stream_in_the_hosted_order(http):
     assert all("usage" not in c and "time_info" not in c for c in chunks[:-1])
 
 
-def test_stream_content_equals_the_whole_answer(cerebras):
+def test_stream_content_equals_the_whole_answer(cerebras_f32):
+    cerebras = cerebras_f32
     full = cerebras.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=16, temperature=0)
     chunks = list(
         cerebras.chat.completions.create(

@@ -24,9 +24,9 @@ def post(http, content: bytes, content_type="application/json", **headers):
 
 
 @pytest.mark.parametrize("ctype", ["application/msgpack", "application/vnd.msgpack", "application/x-msgpack"])
-def test_msgpack_bodies_equal_json(http, ctype):
-    expected = complete(http, **BODY)["choices"][0]["text"]
-    r = post(http, msgpack.packb(BODY), ctype)
+def test_msgpack_bodies_equal_json(http_f32, ctype):
+    expected = complete(http_f32, **BODY)["choices"][0]["text"]
+    r = post(http_f32, msgpack.packb(BODY), ctype)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
 
 
@@ -144,7 +144,8 @@ def test_bad_logit_bias_is_400_naming_it(http, bias, words):
     assert r.status_code == 400 and words in r.json()["error"]["message"]
 
 
-def test_best_of_returns_the_candidate_with_the_best_mean_logprob(cerebras):
+def test_best_of_returns_the_candidate_with_the_best_mean_logprob(cerebras_f32):
+    cerebras = cerebras_f32
     common = dict(model=MODEL, prompt=PROMPT, max_tokens=8, min_tokens=8, temperature=1.0, seed=5, logprobs=0)
     three = cerebras.completions.create(**common, n=3)
     means = [sum(c.logprobs.token_logprobs) / 8 for c in three.choices]
@@ -162,10 +163,10 @@ def test_best_of_rules(http):
     assert complete(http, **BODY, n=2, best_of=2)["choices"][1]["index"] == 1
 
 
-def test_n_streams_interleave_with_their_own_finish(http):
+def test_n_streams_interleave_with_their_own_finish(http_f32):
     body = dict(prompt=PROMPT, max_tokens=6, temperature=1.0, seed=9, n=3)
-    whole = complete(http, **body)
-    events = sse_events(http, **body)
+    whole = complete(http_f32, **body)
+    events = sse_events(http_f32, **body)
     assert events[-1] == "[DONE]"
     texts: dict[int, str] = {}
     finishes: dict[int, list] = {}
@@ -184,8 +185,8 @@ def test_n_streams_interleave_with_their_own_finish(http):
 # ---------------------------------------------------------------- accepted fields
 
 
-def test_accepted_fields_and_headers(cerebras, http, server):
-    out = cerebras.completions.create(
+def test_accepted_fields_and_headers(cerebras_f32, http_f32, server_f32):
+    out = cerebras_f32.completions.create(
         model=MODEL,
         prompt=PROMPT,
         max_tokens=4,
@@ -198,8 +199,8 @@ def test_accepted_fields_and_headers(cerebras, http, server):
         x_amz_cf_id="amz-9",
         x_delay_time=0.5,
     )
-    assert out.choices[0].text == complete(http, **BODY)["choices"][0]["text"]
-    assert "user=user-42 trace=ray-123" in server.log()
+    assert out.choices[0].text == complete(http_f32, **BODY)["choices"][0]["text"]
+    assert "user=user-42 trace=ray-123" in server_f32.log()
 
 
 def test_suffix_is_not_supported(http):

@@ -176,9 +176,9 @@ def test_max_tokens_leaves_a_valid_prefix(http):
     assert choice["finish_reason"] == "length" and choice["text"].lstrip().startswith("{")
 
 
-def test_best_of_logprobs_echo_and_seed(http):
+def test_best_of_logprobs_echo_and_seed(http_f32):
     body = dict(prompt=PROMPTS["object"], grammar_root="object", max_tokens=64, temperature=0.7, seed=3)
-    out = complete(http, n=2, best_of=3, logprobs=2, echo=True, **body)
+    out = complete(http_f32, n=2, best_of=3, logprobs=2, echo=True, **body)
     for choice in out["choices"]:
         assert choice["text"].startswith(PROMPTS["object"])
         if (
@@ -187,7 +187,7 @@ def test_best_of_logprobs_echo_and_seed(http):
             assert isinstance(json.loads(choice["text"][len(PROMPTS["object"]) :]), dict)
         assert choice["logprobs"]["tokens"]
     assert "stop" in [c["finish_reason"] for c in out["choices"]]
-    again = complete(http, n=2, best_of=3, logprobs=2, echo=True, **body)
+    again = complete(http_f32, n=2, best_of=3, logprobs=2, echo=True, **body)
     assert [c["text"] for c in again["choices"]] == [c["text"] for c in out["choices"]]
 
 

@@ -61,7 +61,8 @@ def test_reference_example_parses_with_strict_validation(cerebras):
     assert t.total_time >= t.queue_time >= 0 and t.prompt_time > 0 and t.completion_time > 0 and t.created > 0
 
 
-def test_cerebras_sdk_streams_the_same_text(cerebras):
+def test_cerebras_sdk_streams_the_same_text(cerebras_f32):
+    cerebras = cerebras_f32
     full = cerebras.completions.create(prompt=PROMPT, max_tokens=24, model=MODEL, temperature=0)
     chunks = list(
         cerebras.completions.create(prompt=PROMPT, max_tokens=24, model=MODEL, temperature=0, stream=True)
@@ -72,7 +73,8 @@ def test_cerebras_sdk_streams_the_same_text(cerebras):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
-def test_openai_sdk_completion_and_stream(openai_client):
+def test_openai_sdk_completion_and_stream(openai_f32):
+    openai_client = openai_f32
     full = openai_client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2
     )
