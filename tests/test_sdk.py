@@ -16,6 +16,13 @@ def endpoint(request):
     return request.getfixturevalue("server" if request.param == "single" else "ray_server")
 
 
+@pytest.fixture(params=["single", pytest.param("ray", marks=pytest.mark.ray)])
+def endpoint_f32(request):
+    """The same at float32 (the replicas' dtype already), for tests that compare two requests' answers: the second
+    finds the prompt in the prefix cache, which in bfloat16 can round otherwise (docs/api.md, "Repeatable answers")."""
+    return request.getfixturevalue("server_f32" if request.param == "single" else "ray_server")
+
+
 @pytest.fixture
 def cerebras(endpoint):
     with cerebras_for(endpoint.url) as client:
@@ -25,6 +32,18 @@ def cerebras(endpoint):
 @pytest.fixture
 def openai_client(endpoint):
     with openai_for(endpoint.url) as client:
+        yield client
+
+
+@pytest.fixture
+def cerebras_f32(endpoint_f32):
+    with cerebras_for(endpoint_f32.url) as client:
+        yield client
+
+
+@pytest.fixture
+def openai_f32(endpoint_f32):
+    with openai_for(endpoint_f32.url) as client:
         yield client
 
 
