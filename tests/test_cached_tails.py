@@ -1,5 +1,6 @@
-"""A prompt found in the prefix cache but for its last few tokens (the same prompt again, the next turn of a chat)
-runs those tokens as decode rows, not through the prefill path, and answers as the prompt computed whole does."""
+"""A short prompt, and a prompt found in the prefix cache but for its last few tokens (the same prompt again, the
+next turn of a chat), run those tokens as decode rows, not through the prefill path, and answer as the prefill path
+does."""
 
 from __future__ import annotations
 
@@ -21,12 +22,19 @@ def loaded():
 
 
 def _run(engine: LLMEngine, ids: list[int]) -> list[int]:
-    engine.add_request(str(len(ids)), ids, SamplingParams(max_tokens=12, temperature=0))
+    return _run_scored(engine, ids)[0]
+
+
+def _run_scored(engine: LLMEngine, ids: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs."""
+    engine.add_request(str(len(ids)), ids, SamplingParams(max_tokens=12, temperature=0, logprobs=0))
     out: list[int] = []
+    scores: list[float] = []
     while engine.has_work():
         for ev in engine.step():
             out += ev.token_ids
-    return out
+            scores += [lp.logprob for lp in ev.logprobs]
+    return out, scores
 
 
 def _as_rows_calls(engine: LLMEngine) -> list[tuple[int, int, bool]]:
@@ -64,6 +72,18 @@ def test_the_next_turn_of_a_chat_runs_as_decode_rows_and_answers_as_the_whole_pr
     got = _run(engine, turn)
     assert calls[0][0] > 0 and calls[0][2]
     assert got == _run(LLMEngine(loaded, kv_cache_bytes=32 << 20), turn)  # a fresh cache: the whole prompt
+
+
+def test_a_short_prompt_with_nothing_cached_runs_as_decode_rows_and_answers_as_the_prefill_path_does(loaded):
+    ids = loaded.tokenizer.encode("The harbour opens at seven, and the ferry leaves at")
+    engine = LLMEngine(loaded, kv_cache_bytes=32 << 20)
+    calls = _as_rows_calls(engine)
+    got, scores = _run_scored(engine, ids)
+    assert calls[0] == (0, len(ids), True)
+    through_prefill = LLMEngine(loaded, kv_cache_bytes=32 << 20)
+    through_prefill.runner.rows_upto = 0
+    want, want_scores = _run_scored(through_prefill, ids)
+    assert got == want and scores == pytest.approx(want_scores, abs=1e-4)
 
 
 def test_a_tail_whose_rows_would_read_too_much_context_takes_the_prefill_path(loaded):

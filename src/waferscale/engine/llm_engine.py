@@ -37,7 +37,7 @@ from waferscale.models.loader import LoadedModel
 
 log = logging.getLogger("waferscale.engine")
 DEFAULT_KV_CACHE_BYTES = 512 << 20
-CACHED_TAIL_ROWS = 64  # a prompt's tokens after a cached prefix, up to this many, run as decode rows (ModelRunner)
+SHORT_CHUNK_ROWS = 64  # a prompt chunk of up to this many tokens (a short prompt, a cached prompt's tail) runs as decode rows
 
 
 class LLMEngine:
@@ -82,7 +82,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             speculative=speculative,
         )
-        self.runner = ModelRunner(self.model, self.pool, self.native, self.blocks, rows_upto=CACHED_TAIL_ROWS)
+        self.runner = ModelRunner(self.model, self.pool, self.native, self.blocks, rows_upto=SHORT_CHUNK_ROWS)
         self.drafter: DraftModel | None = None
         if draft is not None:
             check_same_vocabulary(loaded, draft)

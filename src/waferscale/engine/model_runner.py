@@ -35,9 +35,9 @@ ROWS_ATTENDED = 32 * 1024
 class ModelRunner:
     def __init__(self, model, pool: KVPool, native, blocks: BlockManager, rows_upto: int = 0):
         self.model, self.pool, self.native, self.block_size = model, pool, native, blocks.block_size
-        # prefill chunks of at most this many tokens after a computed prefix (a cached prompt's tail, the draft
-        # model's catching up) run as decode rows: the prefill path's fixed cost is a few decode steps', while each
-        # row reads the whole context (ROWS_ATTENDED bounds what they read)
+        # prefill chunks of at most this many tokens (a short prompt, a cached prompt's tail, the draft model's
+        # catching up) run as decode rows: the prefill path's fixed cost is a few decode steps', while each row
+        # reads the whole context (ROWS_ATTENDED bounds what they read)
         self.rows_upto = rows_upto
         self.kinds = blocks.kinds
         self.groups = pool.layout.groups
@@ -102,10 +102,10 @@ class ModelRunner:
         return ForwardOutput(hidden, sample_rows, score_rows, draft_rows)
 
     def _as_rows(self, seq: Sequence, chunk: int) -> bool:
-        """Whether a prefill chunk runs as decode rows: a few tokens after a computed prefix, no prompt logprobs."""
+        """Whether a prefill chunk runs as decode rows: a few tokens, with or without a computed prefix before them,
+        and no prompt logprobs (those take the prefill path's scores)."""
         return (
-            0 < seq.num_computed
-            and chunk <= self.rows_upto
+            chunk <= self.rows_upto
             and chunk * (seq.num_computed + chunk) <= ROWS_ATTENDED
             and not seq.params.prompt_logprobs
         )
