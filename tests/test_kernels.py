@@ -329,6 +329,7 @@ def test_bf16_projections_use_the_packed_kernel_instead_of_float32_copies():
     assert mlp.pair_rows == limit and mlp.down_proj.method.max_rows == limit
     engine = LLMEngine(loaded)
     assert engine.native is native
+    engine.runner.rows_upto = 0  # the prompts through the prefill path's projections, not as decode rows
     for i in range(5):
         engine.add_request(
             str(i),
