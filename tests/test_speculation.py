@@ -121,6 +121,23 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(loaded):
     )  # the token reaching the stop is the last
 
 
+def test_a_draft_forward_is_timed_in_turns_with_the_targets_one_row_step_and_their_blocks_are_given_back(loaded):
+    from waferscale.engine.row_costs import DRAFT_ROUNDS, draft_cost_ratio
+
+    target, draft = LLMEngine(loaded, kv_cache_bytes=32 << 20), LLMEngine(loaded, kv_cache_bytes=16 << 20)
+    order: list[str] = []
+    for name, engine in (("target", target), ("draft", draft)):
+        forward = engine.runner.forward
+        engine.runner.forward = lambda batch, interrupt=None, f=forward, n=name: order.append(n) or f(batch, interrupt)
+    free = (target.blocks.num_available, draft.blocks.num_available)
+    ratio = draft_cost_ratio(
+        (target.runner, target.blocks, target.runner.logits), (draft.runner, draft.blocks, draft.runner.logits), 0
+    )
+    assert order == ["target", "draft"] * DRAFT_ROUNDS  # a busy stretch slows both sides, not one
+    assert (target.blocks.num_available, draft.blocks.num_available) == free
+    assert 0.5 < ratio < 2  # the same model on both sides
+
+
 def test_the_server_speculates_by_default_and_reports_it_in_metrics(http):
     body = {"model": MODEL, "prompt": GROUNDED, "max_tokens": 40, "temperature": 0}
     before = _counter(http, "waferscale_speculative_accepted_tokens")

@@ -26,7 +26,7 @@ from waferscale.engine.model_runner import ModelRunner
 from waferscale.engine.output_processor import OutputProcessor
 from waferscale.engine.outputs import GenerationEvent
 from waferscale.engine.params import BATCH_PRIORITY, SamplingParams
-from waferscale.engine.row_costs import measure_row_costs, measured_once, row_sizes
+from waferscale.engine.row_costs import draft_cost_ratio, measure_row_costs, measured_once, row_sizes
 from waferscale.engine.scheduler import ScheduledBatch, Scheduler
 from waferscale.engine.sequence import Sequence
 from waferscale.engine.speculation import SpeculativeConfig
@@ -107,11 +107,15 @@ class LLMEngine:
         if self.drafter is not None:  # and a draft model's drafts, at what making them costs too
             d, token = self.drafter, self.eos_ids[0] if self.eos_ids else 0
             d_key = ("draft", draft.fingerprint, draft.dtype, draft.quantization, block_size, torch.get_num_threads())
-            d.token_seconds = measured_once(
-                d_key, lambda: measure_row_costs(d.runner, d.blocks, d.runner.logits, [1], token)
-            ).at(1)
             one = self.scheduler.row_costs.at(1)
-            log.info("a draft token costs %.2fx a one-row step of the target", d.token_seconds / one)
+            ratio = measured_once(
+                (d_key, key),
+                lambda: draft_cost_ratio(
+                    (self.runner, self.blocks, self.runner.logits), (d.runner, d.blocks, d.runner.logits), token
+                ),
+            )
+            d.token_seconds = ratio * one
+            log.info("a draft token costs %.2fx a one-row step of the target", ratio)
         self.faults = FaultHooks()
         self.threads = ThreadGovernor(
             torch.get_num_threads(), torch.set_num_threads, applied=torch.get_num_threads
