@@ -99,7 +99,10 @@ def test_developer_renders_as_system(http_f32):
     as_system = chat(
         http_f32, messages=[{"role": "system", "content": "Be terse."}, *HELLO], max_tokens=8, temperature=0
     )
-    assert as_developer["usage"]["prompt_tokens"] == as_system["usage"]["prompt_tokens"]
+    n = as_system["usage"]["prompt_tokens"]
+    assert as_developer["usage"]["prompt_tokens"] == n
+    # the same tokens: every whole 16-token block of the second found in the cache the first left
+    assert as_system["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16 > 0
     assert as_developer["choices"][0]["message"] == as_system["choices"][0]["message"]
 
 
