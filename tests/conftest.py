@@ -272,13 +272,6 @@ def cerebras_f32(server_f32):
     with cerebras_for(server_f32.url) as client:
         yield client
 
-
-@pytest.fixture
-def openai_f32(server_f32):
-    with openai_for(server_f32.url) as client:
-        yield client
-
-
 def complete(http: httpx.Client, **body):
     """POST /v1/completions with the built-in model's name unless given; return the parsed JSON (asserting 200)."""
     body.setdefault("model", MODEL)

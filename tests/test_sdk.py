@@ -35,18 +35,6 @@ def openai_client(endpoint):
         yield client
 
 
-@pytest.fixture
-def cerebras_f32(endpoint_f32):
-    with cerebras_for(endpoint_f32.url) as client:
-        yield client
-
-
-@pytest.fixture
-def openai_f32(endpoint_f32):
-    with openai_for(endpoint_f32.url) as client:
-        yield client
-
-
 def joined(tokens: list[str]) -> str:
     """The text that logprobs token names spell: a `bytes:\\xNN...` name stands for its raw bytes (part of a character)."""
     raw = b"".join(
@@ -80,33 +68,33 @@ def test_reference_example_parses_with_strict_validation(cerebras):
     assert t.total_time >= t.queue_time >= 0 and t.prompt_time > 0 and t.completion_time > 0 and t.created > 0
 
 
-def test_cerebras_sdk_streams_the_same_text(cerebras_f32):
-    cerebras = cerebras_f32
-    full = cerebras.completions.create(prompt=PROMPT, max_tokens=24, model=MODEL, temperature=0)
-    chunks = list(
-        cerebras.completions.create(prompt=PROMPT, max_tokens=24, model=MODEL, temperature=0, stream=True)
-    )
+def test_cerebras_sdk_streams_the_same_text(endpoint_f32):
+    with cerebras_for(endpoint_f32.url) as cerebras:
+        full = cerebras.completions.create(prompt=PROMPT, max_tokens=24, model=MODEL, temperature=0)
+        chunks = list(
+            cerebras.completions.create(prompt=PROMPT, max_tokens=24, model=MODEL, temperature=0, stream=True)
+        )
     assert len(chunks) > 2
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
-def test_openai_sdk_completion_and_stream(openai_f32):
-    openai_client = openai_f32
-    full = openai_client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2
-    )
+def test_openai_sdk_completion_and_stream(endpoint_f32):
+    with openai_for(endpoint_f32.url) as openai_client:
+        full = openai_client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2
+        )
+        stream = openai_client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
     assert full.choices[0].logprobs.text_offset[0] == 30
-    stream = openai_client.completions.create(
-        model=MODEL,
-        prompt=PROMPT,
-        max_tokens=16,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
